@@ -1,0 +1,131 @@
+"""Per-layer pieces shared by the decode step and the prefill: weight lookup,
+RoPE tables, the projections in front of attention, the MoE block and the head."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import DS4Config
+from . import ops
+
+NUMERICS = ("official", "plain")
+
+
+@dataclass
+class Tables:
+    """Precomputed constants: RoPE frequencies per layer kind and the indexer Hadamard."""
+    omega_main: np.ndarray
+    omega_compress: np.ndarray
+    hadamard: np.ndarray
+
+    @classmethod
+    def build(cls, cfg: DS4Config, dtype) -> "Tables":
+        yarn = (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow)
+        return cls(ops.rope_omega(cfg.n_rot, cfg.rope_freq_base),
+                   ops.rope_omega(cfg.n_rot, cfg.compress_rope_freq_base, yarn),
+                   ops.hadamard(cfg.indexer_head_dim, dtype))
+
+    def omega(self, ratio: int) -> np.ndarray:
+        """Sliding-only layers use the main table; compressed layers and their compressors
+        and indexer use the YaRN-scaled compress table."""
+        return self.omega_compress if ratio else self.omega_main
+
+
+class LayerWeights:
+    """`blk.{il}.` tensors of one layer, fetched by suffix."""
+
+    def __init__(self, weights, il: int) -> None:
+        self.w, self.prefix = weights, f"blk.{il}."
+
+    def __getitem__(self, suffix: str) -> np.ndarray:
+        return self.w.get(self.prefix + suffix)
+
+    def expert(self, suffix: str, e: int) -> np.ndarray:
+        return self.w.expert(self.prefix + suffix, int(e))
+
+
+def hc(lw: LayerWeights, part: str, cfg: DS4Config, streams: np.ndarray):
+    return ops.hc_pre(streams, lw[f"hc_{part}_fn.weight"], lw[f"hc_{part}_base.weight"],
+                      lw[f"hc_{part}_scale.weight"], cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+
+def project_qkv(lw: LayerWeights, cfg: DS4Config, u: np.ndarray):
+    """u (N, d) -> a (normed input), qr (q residual), q (N, H, D) unroped, kv (N, D) unroped."""
+    eps = cfg.rms_eps
+    a = ops.rmsnorm(u, lw["attn_norm.weight"], eps)
+    qr = ops.rmsnorm(a @ lw["attn_q_a.weight"].T, lw["attn_q_a_norm.weight"], eps)
+    q = (qr @ lw["attn_q_b.weight"].T).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
+    q = ops.rms0(q, eps)
+    kv = ops.rmsnorm(a @ lw["attn_kv.weight"].T, lw["attn_kv_a_norm.weight"], eps)
+    return a, qr, q, kv
+
+
+def indexer_query(lw: LayerWeights, cfg: DS4Config, tables: Tables, numerics: str,
+                  a: np.ndarray, qr: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+    """Indexer query heads (N, Hi, Di), roped at the query position (then Hadamard + FP4
+    in official numerics), and per-head weights (N, Hi) scaled by 1/sqrt(Hi*Di)."""
+    n = a.shape[0]
+    qi = (qr @ lw["indexer.attn_q_b.weight"].T).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
+    qi = ops.rope(qi, cos[:, None, :], sin[:, None, :])
+    if numerics == "official":
+        qi = ops.qat(qi, tables.hadamard)
+    scale = a.dtype.type(1.0 / math.sqrt(cfg.indexer_heads * cfg.indexer_head_dim))
+    wts = (a @ lw["indexer.proj.weight"].T) * scale
+    return qi, wts
+
+
+def finish_compressed_row(lw: LayerWeights, prefix: str, pooled: np.ndarray, first_pos,
+                          tables: Tables, numerics: str, cfg: DS4Config, hadamard_kind: bool) -> np.ndarray:
+    """Pooled window (N, D) -> stored row: norm, RoPE at the window's first position,
+    then FP8 (attention rows) or Hadamard + FP4 (indexer rows) in official numerics."""
+    row = ops.rmsnorm(pooled, lw[f"{prefix}_norm.weight"], cfg.rms_eps)
+    cos, sin = ops.rope_cos_sin(tables.omega_compress, first_pos, row.dtype)
+    row = ops.rope(row, cos, sin)
+    if numerics == "official":
+        row = ops.qat(row, tables.hadamard) if hadamard_kind else ops.fp8sim(row, cfg.n_rot)
+    return row
+
+
+def attention_output(lw: LayerWeights, cfg: DS4Config, o: np.ndarray, cos, sin) -> np.ndarray:
+    """Remove the absolute rotation V's tail carries, then the grouped output projection."""
+    o = ops.rope(o, cos[:, None, :], sin[:, None, :], inverse=True)
+    return ops.grouped_output(o, lw["attn_output_a.weight"], lw["attn_output_b.weight"], cfg.o_groups)
+
+
+def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, token: int) -> np.ndarray:
+    """One token's FFN: routed experts (hash or learned routing) plus the shared expert."""
+    hash_ids = lw["ffn_gate_tid2eid.weight"][token] if cfg.is_hash_layer(il) else None
+    bias = None if hash_ids is not None else lw["exp_probs_b.bias"]
+    ids, w = ops.route(lw["ffn_gate_inp.weight"] @ x, cfg.n_expert_used, bias, hash_ids,
+                       cfg.expert_weights_scale, cfg.expert_weights_norm)
+    clamp = cfg.swiglu_clamp[il]
+    y = np.zeros_like(x)
+    for e, we in zip(ids, w):
+        y += we * ops.swiglu(x, lw.expert("ffn_gate_exps.weight", e), lw.expert("ffn_up_exps.weight", e),
+                             lw.expert("ffn_down_exps.weight", e), clamp)
+    if cfg.n_expert_shared:
+        y += ops.swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"],
+                        lw["ffn_down_shexp.weight"], clamp)
+    return y
+
+
+def ffn_block(lw: LayerWeights, cfg: DS4Config, il: int, streams: np.ndarray, tokens) -> np.ndarray:
+    u, post, comb = hc(lw, "ffn", cfg, streams)
+    x = ops.rmsnorm(u, lw["ffn_norm.weight"], cfg.rms_eps)
+    y = np.stack([moe(lw, cfg, il, x[i], int(t)) for i, t in enumerate(tokens)])
+    return ops.hc_post(streams, y, post, comb)
+
+
+def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:
+    """Token rows copied into every hyper-connection stream: (N, hc, d)."""
+    e = weights.get("token_embd.weight")[np.asarray(tokens)]
+    return np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
+
+
+def head(weights, cfg: DS4Config, streams: np.ndarray) -> np.ndarray:
+    x = ops.hc_head(streams, weights.get("output_hc_fn.weight"), weights.get("output_hc_base.weight"),
+                    weights.get("output_hc_scale.weight"), cfg.rms_eps, cfg.hc_eps)
+    x = ops.rmsnorm(x, weights.get("output_norm.weight"), cfg.rms_eps)
+    return x @ weights.get("output.weight").T

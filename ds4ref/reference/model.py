@@ -1,0 +1,90 @@
+"""The exact NumPy reference model: score (whole sequence) and generate (streamed decode)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..config import DS4Config
+from .decode import decode_step
+from .layers import NUMERICS, Tables
+from .prefill import prefill_logits
+from .state import SeqState
+
+
+class InputError(ValueError):
+    """Token ids or lengths a model cannot take."""
+
+
+def check_tokens(cfg: DS4Config, token_ids: Sequence[int], what: str = "prompt") -> np.ndarray:
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1:
+        raise InputError(f"{what} must be a flat sequence of token ids, got shape {ids.shape}")
+    if ids.size == 0:
+        raise InputError(f"{what} is empty: at least one token id is needed")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{what} must hold integer token ids, got {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+    if bad.size:
+        raise InputError(f"{what} has token id {int(bad[0])} out of range 0..{cfg.vocab_size - 1}")
+    return ids.astype(np.int64)
+
+
+class Model:
+    """DS4 forward over a Weights object.
+
+    numerics: "official" applies the FP8 KV and Hadamard+FP4 indexer round-trips
+    (antirez/ds4, lucebox); "plain" applies neither (transformers). The dtype is
+    the weights' dtype (float32 default, float64 for goldens).
+    """
+
+    def __init__(self, weights, numerics: str = "official") -> None:
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.weights, self.numerics = weights, numerics
+        self.config: DS4Config = weights.config
+        self.dtype = weights.dtype
+        self.tables = Tables.build(self.config, self.dtype)
+
+    def new_state(self) -> SeqState:
+        return SeqState(self.config, self.dtype)
+
+    def step(self, state, token: int, pos: int, want_logits: bool = True) -> np.ndarray | None:
+        """One token through the decode state; the per-row computation of every backend."""
+        return decode_step(self.weights, self.tables, self.numerics, state, int(token), int(pos), want_logits)
+
+    def score(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits (T, vocab) at every position, computed all at once."""
+        ids = check_tokens(self.config, token_ids)
+        self._check_length(len(ids))
+        return prefill_logits(self.weights, self.tables, self.numerics, ids)
+
+    def decode_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The same logits as score(), fed one token at a time through a SeqState."""
+        ids = check_tokens(self.config, token_ids)
+        self._check_length(len(ids))
+        st = self.new_state()
+        return np.stack([self.step(st, t, p) for p, t in enumerate(ids)])
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation (lower id wins ties); returns only the new tokens."""
+        ids = check_tokens(self.config, token_ids)
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self._check_length(len(ids) + max_new_tokens - 1)
+        st = self.new_state()
+        for p, t in enumerate(ids[:-1]):
+            self.step(st, t, p, want_logits=False)
+        out: list[int] = []
+        tok, pos = int(ids[-1]), len(ids) - 1
+        while len(out) < max_new_tokens:
+            tok = int(np.argmax(self.step(st, tok, pos)))
+            out.append(tok)
+            pos += 1
+            if tok in stop_ids:
+                break
+        return out
+
+    def _check_length(self, n: int) -> None:
+        if n > self.config.context_length:
+            raise InputError(f"{n} positions exceed the model's context length {self.config.context_length}")

@@ -1,0 +1,320 @@
+"""DS4 primitives, each a pure function named from the paper (spec §3, §4).
+
+Every function works in the dtype of its inputs (float32 by default, float64
+for golden files). Functions take a leading batch axis where it is cheap to do
+so, so the per-token decode step and the whole-sequence prefill share them.
+The HIP kernels in ds4ref/hip are checked against these twins.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+NEG_INF = -np.inf
+
+# ---------------------------------------------------------------------------
+# Norms and activations
+# ---------------------------------------------------------------------------
+
+
+def rms0(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the last axis (no weight)."""
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(ms + x.dtype.type(eps))
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return w * rms0(x, eps)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(x.dtype.type(0), x)
+
+
+# ---------------------------------------------------------------------------
+# RoPE on the tail dims (interleaved pairs), plain and YaRN tables (§4)
+# ---------------------------------------------------------------------------
+
+
+def rope_omega(n_rot: int, base: float, yarn: tuple[float, int, float, float] | None = None) -> np.ndarray:
+    """Angular frequencies omega_j, j < n_rot/2, in float64.
+
+    yarn = (factor, original_context, beta_fast, beta_slow); the magnitude
+    factor is 1.0 (DS4 forces attention_factor = 1; the default 1.2773 is wrong).
+    """
+    j = np.arange(n_rot // 2, dtype=np.float64)
+    omega = base ** (-2.0 * j / n_rot)
+    if yarn is None:
+        return omega
+    factor, orig_ctx, beta_fast, beta_slow = yarn
+
+    def corr(n_rotations: float) -> float:
+        return n_rot * math.log(orig_ctx / (2 * math.pi * n_rotations)) / (2 * math.log(base))
+
+    low = max(0, math.floor(corr(beta_fast)))
+    high = min(n_rot - 1, math.ceil(corr(beta_slow)))
+    span = (high - low) if high != low else 0.001
+    ramp = np.clip((j - low) / span, 0.0, 1.0)
+    return omega * (1.0 - ramp) + (omega / factor) * ramp
+
+
+def rope_cos_sin(omega: np.ndarray, pos: np.ndarray | int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of theta = pos * omega, formed in the working dtype (official: f32(p)*f32(omega))."""
+    p = np.asarray(pos, dtype=dtype)[..., None]
+    theta = p * omega.astype(dtype)
+    return np.cos(theta), np.sin(theta)
+
+
+def rope(v: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Rotate the last 2*len(cos) dims of v in interleaved pairs (a, a+1).
+
+    cos/sin broadcast against v[..., tail_pairs]; inverse rotates by -theta.
+    """
+    n_rot = 2 * cos.shape[-1]
+    out = v.copy()
+    a = v[..., -n_rot::2]
+    b = v[..., -n_rot + 1::2]
+    s = -sin if inverse else sin
+    out[..., -n_rot::2] = a * cos - b * s
+    out[..., -n_rot + 1::2] = a * s + b * cos
+    return out
+
+
+# ---------------------------------------------------------------------------
+# `official` numerics: FP8 E4M3 round-trip of KV rows, Hadamard + FP4 E2M1 of
+# indexer vectors (§3.0). Exact in any float dtype: only power-of-two scaling
+# and round-half-to-even on the mantissa grid.
+# ---------------------------------------------------------------------------
+
+
+def _pow2_ceil_log2(y: np.ndarray) -> np.ndarray:
+    """2**ceil(log2(y)) for y > 0, computed exactly from the binary exponent."""
+    m, e = np.frexp(y)
+    e = np.where(m == 0.5, e - 1, e)
+    return np.ldexp(np.ones_like(y), e)
+
+
+def _round_to_grid(x: np.ndarray, min_exp: int, mant_bits: int) -> np.ndarray:
+    """Round to the nearest float with `mant_bits` mantissa bits and normal exponent
+    >= min_exp (subnormals below), ties to even."""
+    _, e = np.frexp(np.abs(x))  # |x| = m * 2**e, m in [0.5, 1)
+    exp = np.maximum(e - 1, min_exp)
+    q = exp - mant_bits
+    return np.ldexp(np.rint(np.ldexp(x, -q)), q)
+
+
+def e4m3_round(x: np.ndarray) -> np.ndarray:
+    """Nearest E4M3FN value (max 448, subnormals m*2^-9), ties to even. |x| must be <= 448."""
+    return _round_to_grid(x, -6, 3)
+
+
+def e2m1_round(x: np.ndarray) -> np.ndarray:
+    """Nearest FP4 E2M1 value in {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), ties to even."""
+    return _round_to_grid(x, 0, 1)
+
+
+def _block_quant(v: np.ndarray, block: int, qmax: float, floor: float, rnd) -> np.ndarray:
+    shp = v.shape
+    blk = v.reshape(*shp[:-1], shp[-1] // block, block)
+    amax = np.maximum(np.max(np.abs(blk), axis=-1, keepdims=True), v.dtype.type(floor))
+    s = _pow2_ceil_log2(amax / v.dtype.type(qmax))
+    q = rnd(np.clip(blk / s, -qmax, qmax)) * s
+    return q.reshape(shp)
+
+
+def fp8sim(v: np.ndarray, n_rot: int) -> np.ndarray:
+    """FP8 E4M3 round-trip of a KV row in blocks of 64 over the non-RoPE dims."""
+    out = v.copy()
+    nope = v.shape[-1] - n_rot
+    out[..., :nope] = _block_quant(v[..., :nope], 64, 448.0, 1e-4, e4m3_round)
+    return out
+
+
+def hadamard(n: int, dtype=np.float64) -> np.ndarray:
+    """Orthonormal Sylvester Hadamard matrix H[i, j] = (-1)^popcount(i & j) / sqrt(n)."""
+    i = np.arange(n)
+    bits = np.bitwise_and(i[:, None], i[None, :])
+    parity = np.zeros_like(bits)
+    while bits.any():
+        parity ^= bits & 1
+        bits >>= 1
+    return ((1 - 2 * parity) / math.sqrt(n)).astype(dtype)
+
+
+def qat(v: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Indexer quantisation-aware path: Hadamard rotation, then FP4 E2M1 in blocks of 32."""
+    r = v @ h.T
+    return _block_quant(r, 32, 6.0, 7.052966104933725e-38, e2m1_round)
+
+
+# ---------------------------------------------------------------------------
+# Hyper-connections (mHC): pre with Sinkhorn, post, head (§3.2, §3.9, §3.11)
+# ---------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _sinkhorn(c: np.ndarray, iters: int, eps: float) -> np.ndarray:
+    """Column normalisation first, then iters-1 rounds of row + column; c is (N, hc, hc)."""
+    out = c.copy()
+    n, hc = c.shape[0], c.shape[1]
+    for t in range(n):
+        m = out[t]
+        for it in range(iters):
+            if it > 0:
+                for i in range(hc):
+                    s = 0.0
+                    for j in range(hc):
+                        s += m[i, j]
+                    d = s + eps
+                    for j in range(hc):
+                        m[i, j] = m[i, j] / d
+            for j in range(hc):
+                s = 0.0
+                for i in range(hc):
+                    s += m[i, j]
+                d = s + eps
+                for i in range(hc):
+                    m[i, j] = m[i, j] / d
+    return out
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray,
+           rms_eps: float, hc_eps: float, iters: int):
+    """streams (N, hc, d) -> block input u (N, d), post (N, hc), comb (N, hc, hc).
+
+    comb[i, j] mixes old stream i into new stream j; the softmax runs over j.
+    """
+    n, hc, d = streams.shape
+    f = streams.reshape(n, hc * d)
+    r = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + f.dtype.type(rms_eps))
+    m = (f @ fn.T) * r
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + f.dtype.type(hc_eps)
+    post = 2.0 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = m[:, 2 * hc:] * scale[2] + base[2 * hc:]
+    comb = softmax(logits.reshape(n, hc, hc), axis=-1) + f.dtype.type(hc_eps)
+    comb = _sinkhorn(comb, iters, hc_eps)
+    u = np.einsum("nk,nkd->nd", pre, streams)
+    return u, post, comb
+
+
+def hc_post(streams: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """S'[j] = post_j * y + sum_i comb[i, j] * S[i]."""
+    return post[:, :, None] * y[:, None, :] + np.einsum("nij,nid->njd", comb, streams)
+
+
+def hc_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray,
+            rms_eps: float, hc_eps: float) -> np.ndarray:
+    n, hc, d = streams.shape
+    f = streams.reshape(n, hc * d)
+    r = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + f.dtype.type(rms_eps))
+    m = (f @ fn.T) * r
+    pre = sigmoid(m * scale[0] + base) + f.dtype.type(hc_eps)
+    return np.einsum("nk,nkd->nd", pre, streams)
+
+
+# ---------------------------------------------------------------------------
+# Attention with sinks, grouped output projection (§3.3)
+# ---------------------------------------------------------------------------
+
+
+def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray,
+                         mask: np.ndarray | None = None) -> np.ndarray:
+    """q (..., H, D), keys (..., N, D) shared K=V rows, sinks (H,) -> (..., H, D).
+
+    The sink logit adds only to the softmax denominator. mask (..., N) True = visible.
+    """
+    scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
+    z = (q @ np.swapaxes(keys, -1, -2)) * scale  # (..., H, N)
+    if mask is not None:
+        z = np.where(mask[..., None, :], z, NEG_INF)
+    sink = np.broadcast_to(sinks[:, None], z.shape[:-1] + (1,))
+    mx = np.maximum(np.max(z, axis=-1, keepdims=True), sink) if z.shape[-1] else sink
+    e = np.exp(z - mx)
+    den = np.exp(sink - mx) + np.sum(e, axis=-1, keepdims=True)
+    return (e @ keys) / den
+
+
+def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
+    """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a."""
+    n = o.shape[0]
+    og = o.reshape(n, groups, -1)                      # (N, G, H/G*D)
+    a = wo_a.reshape(groups, -1, og.shape[-1])         # (G, rank, H/G*D)
+    z = np.einsum("gri,ngi->ngr", a, og).reshape(n, -1)
+    return z @ wo_b.T
+
+
+# ---------------------------------------------------------------------------
+# Compressor pooling (§3.4, §3.5), lightning indexer (§3.7), top-k
+# ---------------------------------------------------------------------------
+
+
+def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Per-channel softmax pooling over candidates: kv, score (..., C, D) -> (..., D).
+
+    Candidates with score -inf carry weight 0; if all are -inf the row is 0.
+    """
+    mx = np.max(score, axis=-2, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    e = np.exp(score - mx)
+    den = np.sum(e, axis=-2)
+    num = np.sum(e * kv, axis=-2)
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+
+
+def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """qi (Hi, Di), wts (Hi,) already scaled, keys (n, Di) -> (n,) = sum_h w_h relu(q_h . k)."""
+    dots = keys @ qi.T  # (n, Hi)
+    return np.maximum(dots, 0) @ wts
+
+
+def topk_lower_index(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k highest scores, ties broken by the lower index, returned ascending."""
+    n = scores.shape[-1]
+    if k >= n:
+        return np.arange(n)
+    order = np.lexsort((np.arange(n), -scores))  # primary: score desc, then index asc
+    return np.sort(order[:k])
+
+
+# ---------------------------------------------------------------------------
+# MoE: router, experts (§3.10)
+# ---------------------------------------------------------------------------
+
+
+def route(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np.ndarray | None,
+          scale: float, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router for one token: sqrt-softplus scores, selection (bias only for choosing,
+    or the token's hash ids), normalised and scaled weights. Returns (ids, weights),
+    ids ascending so the expert sum has one fixed order."""
+    s = np.sqrt(softplus(logits))
+    if hash_ids is not None:
+        ids = np.sort(np.asarray(hash_ids, dtype=np.int64))
+    else:
+        ids = topk_lower_index(s + bias, n_used)
+    w = s[ids]
+    if normalise:
+        w = w / np.sum(w)
+    return ids, w * s.dtype.type(scale)
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float) -> np.ndarray:
+    """Clamped SwiGLU expert: gate <= clamp, up in [-clamp, clamp]."""
+    g = np.minimum(w1 @ x, clamp)
+    v = np.clip(w3 @ x, -clamp, clamp)
+    return w2 @ (silu(g) * v)
