@@ -24,10 +24,18 @@ PAGE_TOKENS = 128
 
 @dataclass(frozen=True)
 class Row:
+    """One token position of one slot.
+
+    emit: the row produces the slot's next token, so the head runs and its
+    argmax comes back (intermediate prompt rows skip the head: for Flash the
+    output matrix is the largest single weight read). want_logits: the full
+    logits come back too (sampling, penalties, logprobs); implies emit.
+    """
     slot: int
     position: int
     token: int
     want_logits: bool = True
+    emit: bool = True
 
 
 @dataclass(frozen=True)
@@ -41,14 +49,16 @@ class StepPlan:
     positions: np.ndarray    # int32[MAX_ROWS]
     tokens: np.ndarray       # int32[MAX_ROWS]
     want_logits: np.ndarray  # bool[MAX_ROWS]
+    emit: np.ndarray         # bool[MAX_ROWS]
 
     @property
     def n_rows(self) -> int:
         return int((self.slots >= 0).sum())
 
     def rows(self) -> list[Row]:
-        return [Row(int(s), int(p), int(t), bool(w))
-                for s, p, t, w in zip(self.slots, self.positions, self.tokens, self.want_logits) if s >= 0]
+        return [Row(int(s), int(p), int(t), bool(w), bool(e))
+                for s, p, t, w, e in zip(self.slots, self.positions, self.tokens, self.want_logits, self.emit)
+                if s >= 0]
 
     @classmethod
     def from_rows(cls, rows: Sequence[Row], max_rows: int = MAX_ROWS) -> "StepPlan":
@@ -56,6 +66,8 @@ class StepPlan:
             raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
         last: dict[int, int] = {}
         for r in rows:
+            if r.want_logits and not r.emit:
+                raise ValueError(f"row of slot {r.slot} at {r.position} wants logits but does not emit")
             if r.slot in last and r.position != last[r.slot] + 1:
                 raise ValueError(f"rows of slot {r.slot} are not consecutive positions: "
                                  f"{last[r.slot]} then {r.position}")
@@ -64,16 +76,17 @@ class StepPlan:
         pos = np.zeros(max_rows, np.int32)
         tok = np.zeros(max_rows, np.int32)
         want = np.zeros(max_rows, bool)
+        emit = np.zeros(max_rows, bool)
         for i, r in enumerate(rows):
-            slots[i], pos[i], tok[i], want[i] = r.slot, r.position, r.token, r.want_logits
-        return cls(slots, pos, tok, want)
+            slots[i], pos[i], tok[i], want[i], emit[i] = r.slot, r.position, r.token, r.want_logits, r.emit
+        return cls(slots, pos, tok, want, emit)
 
 
 @dataclass
 class StepResult:
     """Per planned row (in plan order, padding excluded)."""
     logits: list[np.ndarray | None]  # vocab-sized logits where wanted, else None
-    argmax: np.ndarray               # int32[n_rows]; lower index wins ties
+    argmax: np.ndarray               # int32[n_rows]; lower index wins ties; -1 where the row does not emit
 
 
 @runtime_checkable

@@ -1,0 +1,71 @@
+"""`ds4ref.load()`: a GGUF file (or the embedded tiny model) as a ready model."""
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from .config import DS4Config
+from .reference.model import Model
+
+BACKENDS = ("numpy", "hip")
+
+
+class DS4Model:
+    """What `ds4ref.load` returns: config, metadata, the reference math, backends."""
+
+    def __init__(self, metadata: dict, weights, numerics: str = "official", backend: str = "numpy",
+                 path: str | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.metadata, self.path, self.backend_name = metadata, path, backend
+        self.reference = Model(weights, numerics)
+        self.config: DS4Config = self.reference.config
+        self.numerics = numerics
+        if backend == "hip":
+            self.make_backend()  # fail at load, naming what is missing, not at the first request
+
+    @property
+    def weights(self):
+        return self.reference.weights
+
+    @cached_property
+    def tokenizer(self):
+        from .tokenizer import Tokenizer
+        return Tokenizer.from_gguf(self.metadata)
+
+    def make_backend(self, name: str | None = None):
+        """A fresh Backend (protocol in ds4ref.backend) for the engine to drive."""
+        name = name or self.backend_name
+        if name == "numpy":
+            from .reference.numpy_backend import NumpyBackend
+            return NumpyBackend(self.reference)
+        if name == "hip":
+            from .hip.backend import HipBackend
+            return HipBackend(self.reference)
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+    def score(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits (T, vocab)."""
+        return self.reference.score(token_ids)
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation on this model's backend; returns only the new tokens."""
+        if self.backend_name == "numpy":
+            return self.reference.generate(token_ids, max_new_tokens, stop_ids)
+        from .engine import Engine
+        from .scheduler.request import Request
+        return Engine(self, max_concurrency=1).run([Request(list(token_ids), max_new_tokens,
+                                                            stop_ids=tuple(stop_ids), ignore_eos=True)])[0]
+
+
+def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics: str = "official",
+         dtype=np.float32) -> DS4Model:
+    """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model."""
+    from .gguf_io import open_gguf
+    from .tiny import default_model_path
+    path = str(path) if path is not None else str(default_model_path())
+    f = open_gguf(path)
+    return DS4Model(f.metadata, f.weights(dtype), numerics=numerics, backend=backend, path=path)
