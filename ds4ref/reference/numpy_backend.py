@@ -1,0 +1,131 @@
+"""NumpyBackend: the backend protocol over the reference decode step, with paged state.
+
+Storage follows ds4ref.paging.layout: compressed and indexer rows live in a
+shared pool of pages addressed through per-slot block tables; the raw window
+rings and compressor state are per slot. Each row of a pass runs the very same
+`Model.step` as the unpaged reference, through a view that reads history in
+logical order, so a slot's results are bitwise those of running it alone.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..paging.layout import PageLayout
+from .state import ATTN, INDEX, make_compressors
+
+
+class PagedSeqView:
+    """The SeqState interface of one slot, over the backend's pages."""
+
+    def __init__(self, backend: "NumpyBackend", slot: int) -> None:
+        self.b, self.slot = backend, slot
+
+    def raw_ring(self, il: int) -> np.ndarray:
+        return self.b.rings[self.slot, il]
+
+    def compressor(self, il: int, kind: str):
+        return self.b.comps[self.slot][(il, kind)]
+
+    def put_row(self, il: int, kind: str, idx: int, row: np.ndarray) -> None:
+        ratio = self.b.cfg.ratio(il)
+        page, off = self.b.layout.locate(self.b.block_tables[self.slot], ratio, idx)
+        self.b.pages[(il, kind)][page, off] = row
+
+    def get_rows(self, il: int, kind: str, n: int) -> np.ndarray:
+        store = self.b.pages[(il, kind)]
+        per = store.shape[1]
+        table = self.b.block_tables[self.slot][: -(-n // per)]
+        return store[table].reshape(-1, store.shape[-1])[:n]  # fancy index: a fresh copy
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    def __init__(self, model, max_rows: int = MAX_ROWS) -> None:
+        self.model, self.cfg, self.dtype = model, model.config, model.dtype
+        self.max_rows = max_rows
+        self.layout: PageLayout | None = None
+
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+        cfg, dt = self.cfg, self.dtype
+        self.layout = PageLayout(cfg, page_tokens)
+        self.n_slots, self.n_pages = n_slots, n_pages
+        self.rings = np.zeros((n_slots, cfg.n_layer, cfg.sliding_window, cfg.head_dim), dt)
+        self.comps = [make_compressors(cfg, dt) for _ in range(n_slots)]
+        self.pages: dict[tuple[int, str], np.ndarray] = {}
+        for il, r in enumerate(cfg.compress_ratios):
+            if r:
+                self.pages[(il, ATTN)] = np.zeros((n_pages, self.layout.rows_per_page(r), cfg.head_dim), dt)
+            if r == 4:
+                self.pages[(il, INDEX)] = np.zeros((n_pages, self.layout.rows_per_page(4),
+                                                    cfg.indexer_head_dim), dt)
+        self.block_tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
+        self.next_pos = np.zeros(n_slots, np.int64)
+
+    def reset_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.rings[slot] = 0
+        for c in self.comps[slot].values():
+            c.reset()
+        self._zero_pages(self.block_tables[slot])
+        self.block_tables[slot] = np.zeros(0, np.int64)
+        self.next_pos[slot] = 0
+
+    def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
+        self._check_slot(slot)
+        table = np.asarray(pages, np.int64)
+        if table.size and (table.min() < 0 or table.max() >= self.n_pages):
+            raise ValueError(f"slot {slot}: page id out of range 0..{self.n_pages - 1} in block table")
+        old = self.block_tables[slot]
+        if not np.array_equal(table[: old.size], old):
+            raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")
+        self._zero_pages(table[old.size:])  # a page from the pool may hold another sequence's rows
+        self.block_tables[slot] = table
+
+    def step(self, plan: StepPlan) -> StepResult:
+        rows = plan.rows()
+        self._check_rows(rows)  # all before any, so a bad plan changes no state
+        logits: list[np.ndarray | None] = []
+        argmax = np.full(len(rows), -1, np.int32)
+        for i, r in enumerate(rows):
+            out = self.model.step(PagedSeqView(self, r.slot), r.token, r.position, want_logits=r.emit)
+            self.next_pos[r.slot] += 1
+            if r.emit:
+                argmax[i] = int(np.argmax(out))
+            logits.append(out if r.want_logits else None)
+        return StepResult(logits, argmax)
+
+    # ---- checks ----------------------------------------------------------------
+    def _zero_pages(self, pages: np.ndarray) -> None:
+        for store in self.pages.values():
+            store[pages] = 0
+
+    def _check_slot(self, slot: int) -> None:
+        if self.layout is None:
+            raise RuntimeError("backend not configured: call configure(n_slots, n_pages) first")
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.n_slots - 1}")
+
+    def _check_rows(self, rows) -> None:
+        if len(rows) > self.max_rows:
+            raise ValueError(f"a pass holds at most {self.max_rows} rows, got {len(rows)}")
+        expect: dict[int, int] = {}
+        for r in rows:
+            self._check_slot(r.slot)
+            at = expect.get(r.slot, int(self.next_pos[r.slot]))
+            if r.position != at:
+                raise ValueError(f"slot {r.slot}: row at position {r.position}, but the slot's state is at "
+                                 f"{at} (rows must arrive in order, once each)")
+            expect[r.slot] = at + 1
+            self._check_row(r)
+
+    def _check_row(self, r) -> None:
+        needed = r.position // self.layout.page_tokens + 1
+        if needed > self.block_tables[r.slot].size:
+            raise ValueError(f"slot {r.slot}: position {r.position} needs {needed} mapped pages, "
+                             f"block table has {self.block_tables[r.slot].size}")
+        if not 0 <= r.token < self.cfg.vocab_size:
+            raise ValueError(f"slot {r.slot}: token id {r.token} out of range 0..{self.cfg.vocab_size - 1}")
