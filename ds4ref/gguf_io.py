@@ -1,0 +1,448 @@
+"""Reading and writing deepseek4 GGUF files through the `gguf` package.
+
+Reading memory-maps the file and parses only the header (with struct: see
+_Header for why not gguf-py's GGUFReader), so a 150 GB model opens in
+seconds; tensor bytes are touched when the math asks for a tensor, and
+routed experts are dequantised one slice at a time. Dequantisation is
+gguf-py's (gguf.quants), writing is gguf-py's GGUFWriter.
+
+Writing follows the published convention of spec §2.1 for metadata types
+(u32 counts, u64 context lengths, f32 scalars, bool, i32/f32 arrays) and
+§2.2 for shapes: GGUF `ne` is the reverse of the NumPy shape.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFValueType as VType
+
+from .config import ARCH, ConfigError, DS4Config
+from .tensors import is_int_tensor, tensor_shapes
+from .weights import Weights, WeightsError, check_tensor_shapes
+
+
+class GGUFError(WeightsError):
+    """The file is not a deepseek4 GGUF that ds4ref can read (a ValueError)."""
+
+
+_INT_TYPES = {QType.I8: np.int8, QType.I16: np.int16, QType.I32: np.int32, QType.I64: np.int64}
+
+# Metadata keys whose GGUF type is not the default for their Python type (spec §2.1).
+_KEY_TYPES: dict[str, tuple[VType, VType | None]] = {
+    f"{ARCH}.context_length": (VType.UINT64, None),
+    f"{ARCH}.rope.scaling.original_context_length": (VType.UINT64, None),
+    f"{ARCH}.expert_weights_norm": (VType.BOOL, None),
+    f"{ARCH}.attention.compress_ratios": (VType.ARRAY, VType.INT32),
+    f"{ARCH}.swiglu_clamp_exp": (VType.ARRAY, VType.FLOAT32),
+    "tokenizer.ggml.token_type": (VType.ARRAY, VType.INT32),
+}
+
+
+# ---------------------------------------------------------------------------
+# quantisation helpers (shared by the writer, the tests and the converter)
+# ---------------------------------------------------------------------------
+def qtype_of(dtype: str | QType) -> QType:
+    """'f32', 'f16', 'bf16', 'q8_0', ... -> GGMLQuantizationType."""
+    if isinstance(dtype, QType):
+        return dtype
+    try:
+        return QType[str(dtype).upper()]
+    except KeyError:
+        raise GGUFError(f"unknown tensor dtype {dtype!r} "
+                        f"(use f32, f16, bf16, q8_0 or another GGML type name)") from None
+
+
+def encode_tensor(name: str, arr: np.ndarray, dtype: str | QType) -> tuple[np.ndarray, QType]:
+    """The bytes to store for `arr` as `dtype`, and the GGML type they are in."""
+    if is_int_tensor(name):
+        return np.ascontiguousarray(arr, dtype=np.int32), QType.I32
+    qtype = qtype_of(dtype)
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if qtype == QType.F32:
+        return arr, qtype
+    if qtype == QType.F16:
+        return arr.astype(np.float16), qtype
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if arr.shape[-1] % block:
+        raise GGUFError(f"tensor {name!r}: row length {arr.shape[-1]} is not a multiple of the "
+                        f"{qtype.name} block size {block}")
+    try:
+        return gguf.quants.quantize(arr, qtype), qtype
+    except NotImplementedError:
+        raise GGUFError(f"tensor {name!r}: the gguf package cannot quantise to {qtype.name}") from None
+
+
+def decode_tensor(name: str, data: np.ndarray, qtype: QType) -> np.ndarray:
+    """Stored bytes -> float32 values (int32 for integer tensors), NumPy shape."""
+    if qtype in _INT_TYPES:
+        return np.asarray(data).view(_INT_TYPES[qtype])
+    if qtype == QType.F64:
+        return np.asarray(data).view(np.float64)
+    try:
+        return gguf.quants.dequantize(data, qtype)
+    except NotImplementedError:
+        raise GGUFError(f"tensor {name!r}: GGML type {qtype.name} ({int(qtype)}) cannot be dequantised "
+                        f"by the gguf package") from None
+
+
+def stored_values(arr: np.ndarray, dtype: str | QType, name: str = "tensor") -> np.ndarray:
+    """What a reader will see after storing `arr` as `dtype` (float32)."""
+    payload, qtype = encode_tensor(name, arr, dtype)
+    return decode_tensor(name, payload, qtype)
+
+
+def _can_dequantise(qtype: QType) -> bool:
+    if qtype in _INT_TYPES or qtype in (QType.F32, QType.F16, QType.F64):
+        return True
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    try:  # gguf.quants has no "is supported" query: try one block of zeros
+        gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+        return True
+    except NotImplementedError:
+        return False
+
+
+# ---------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------
+class _Header:
+    """A sequential reader of the GGUF header over a read-only mmap.
+
+    gguf-py's GGUFReader builds a NumPy view per string, which for DS4's
+    129280 tokens and 127741 merges takes over ten seconds and ~400 MB;
+    plain struct reads of the same bytes take a fraction of a second. The
+    layout follows the GGUF spec (little-endian, versions 2 and 3); the
+    value and tensor type ids are gguf-py's enums.
+    """
+
+    _SCALARS = {VType.UINT8: "<B", VType.INT8: "<b", VType.UINT16: "<H", VType.INT16: "<h",
+                VType.UINT32: "<I", VType.INT32: "<i", VType.FLOAT32: "<f", VType.BOOL: "<?",
+                VType.UINT64: "<Q", VType.INT64: "<q", VType.FLOAT64: "<d"}
+    _ARRAYS = {VType.UINT8: "<u1", VType.INT8: "<i1", VType.UINT16: "<u2", VType.INT16: "<i2",
+               VType.UINT32: "<u4", VType.INT32: "<i4", VType.FLOAT32: "<f4", VType.BOOL: "?",
+               VType.UINT64: "<u8", VType.INT64: "<i8", VType.FLOAT64: "<f8"}
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise struct.error("string runs past the end of the file")
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8")
+
+    def value(self, vtype: int) -> tuple[Any, int, int | None]:
+        """(python value, value type id, array element type id or None)."""
+        vtype = VType(vtype)
+        if vtype == VType.STRING:
+            return self.string(), vtype, None
+        if vtype in self._SCALARS:
+            return self.unpack(self._SCALARS[vtype]), vtype, None
+        if vtype != VType.ARRAY:
+            raise ValueError(f"unknown metadata value type {int(vtype)}")
+        sub, count = VType(self.unpack("<I")), self.unpack("<Q")
+        if sub == VType.STRING:
+            return [self.string() for _ in range(count)], vtype, sub
+        if sub not in self._ARRAYS:
+            raise ValueError(f"unsupported array element type {sub.name}")
+        dt = np.dtype(self._ARRAYS[sub])
+        if self.pos + count * dt.itemsize > len(self.buf):
+            raise struct.error("array runs past the end of the file")
+        arr = np.frombuffer(self.buf, dt, count, self.pos)
+        self.pos += count * dt.itemsize
+        return arr.tolist(), vtype, sub
+
+
+@dataclass(frozen=True)
+class _RawTensor:
+    name: str
+    type_id: int
+    shape: tuple[int, ...]  # NumPy order
+    rel_offset: int
+
+
+def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], list[_RawTensor], int]:
+    """metadata, {key: (type, element type)}, tensor infos, absolute start of tensor data."""
+    h = _Header(buf)
+    if buf[:4] != b"GGUF":
+        raise GGUFError("not a GGUF file (bad magic)")
+    h.pos = 4
+    version = h.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFError(f"GGUF version {version} is not supported (only 2 and 3, little-endian)")
+    n_tensors, n_kv = h.unpack("<Q"), h.unpack("<Q")
+    meta, types = {}, {}
+    for _ in range(n_kv):
+        key = h.string()
+        value, vtype, sub = h.value(h.unpack("<I"))
+        meta[key], types[key] = value, (vtype, sub)
+    infos = []
+    for _ in range(n_tensors):
+        name = h.string()
+        ne = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
+        infos.append(_RawTensor(name, h.unpack("<I"), tuple(reversed(ne)), h.unpack("<Q")))
+    align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    data_start = -(-h.pos // align) * align
+    return meta, types, infos, data_start
+
+
+def _plain_f32(v: float) -> float:
+    # The shortest decimal that rounds to the stored f32 (1e-06, not 9.99999997e-07), so
+    # a config written from Python floats reads back equal and matches config.json values.
+    return float(str(np.float32(v)))
+
+
+def _python_value(value: Any, vtype: int, sub: int | None) -> Any:
+    if vtype == VType.FLOAT32:
+        return _plain_f32(value)
+    if vtype == VType.ARRAY and sub == VType.FLOAT32:
+        return [_plain_f32(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the file's directory."""
+    name: str
+    qtype: QType
+    shape: tuple[int, ...]   # NumPy shape of the values (reverse of GGUF ne)
+    data: np.ndarray         # memory-mapped stored bytes/values, not yet dequantised
+    offset: int
+    n_bytes: int
+
+
+class GGUFModelFile:
+    """An opened deepseek4 GGUF: metadata, config and the tensor directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._buf = _map(self.path)
+        try:
+            meta, self.value_types, infos, data_start = _parse(self._buf)
+        except GGUFError as exc:
+            raise GGUFError(f"{self.path}: {exc}") from None
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            raise GGUFError(f"{self.path}: cannot parse the GGUF header, the file is truncated or corrupt "
+                            f"({type(exc).__name__}: {exc})") from None
+        self.metadata: dict[str, Any] = {k: _python_value(v, *self.value_types[k]) for k, v in meta.items()}
+        self.config = _config_from(self.metadata, self.path)
+        self.tensors: dict[str, TensorEntry] = {}
+        for info in infos:
+            if info.name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {info.name!r} appears twice")
+            self.tensors[info.name] = self._entry(info, data_start)
+        self._check_tensors()
+
+    def __repr__(self) -> str:
+        return f"GGUFModelFile({self.path!r}, {len(self.tensors)} tensors, {self.config.n_layer} layers)"
+
+    def weights(self, dtype=np.float32, max_cached_experts: int | None = None) -> "GGUFWeights":
+        return GGUFWeights(self, dtype, max_cached_experts)
+
+    def tensor(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+
+    def read(self, name: str) -> np.ndarray:
+        """The whole tensor dequantised to float32 (int32 for integer tensors)."""
+        t = self.tensor(name)
+        return decode_tensor(name, t.data, t.qtype)
+
+    def read_expert(self, name: str, e: int) -> np.ndarray:
+        """One expert slice of a 3-D tensor, dequantising only that slice."""
+        t = self.tensor(name)
+        return decode_tensor(name, t.data[e], t.qtype)
+
+    def _entry(self, info: _RawTensor, data_start: int) -> TensorEntry:
+        known = {int(t) for t in QType}
+        if info.type_id not in known:
+            raise GGUFError(f"{self.path}: tensor {info.name!r} has GGML type id {info.type_id}, which the "
+                            f"gguf package does not know; ds4ref cannot read it")
+        qtype = QType(info.type_id)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if info.shape and info.shape[-1] % block:
+            raise GGUFError(f"{self.path}: tensor {info.name!r}: row length {info.shape[-1]} is not a multiple "
+                            f"of the {qtype.name} block size {block}")
+        n = int(np.prod(info.shape, dtype=np.int64))
+        offset, n_bytes = data_start + info.rel_offset, n // block * size
+        if offset + n_bytes > len(self._buf):
+            raise GGUFError(f"{self.path}: file is truncated: tensor {info.name!r} needs bytes up to "
+                            f"{offset + n_bytes}, the file has {len(self._buf)}")
+        data = _view(self._buf, qtype, info.shape, offset, n)
+        return TensorEntry(info.name, qtype, info.shape, data, offset, n_bytes)
+
+    # ---- checks --------------------------------------------------------
+    def _check_tensors(self) -> None:
+        try:
+            check_tensor_shapes(self.config, {n: t.shape for n, t in self.tensors.items()}, self.path)
+        except WeightsError as exc:
+            raise GGUFError(str(exc)) from None
+        checked: dict[QType, bool] = {}
+        for name in tensor_shapes(self.config):
+            qtype = self.tensors[name].qtype
+            if is_int_tensor(name) != (qtype in _INT_TYPES):
+                kind = "integer" if is_int_tensor(name) else "float"
+                raise GGUFError(f"{self.path}: tensor {name!r} holds {kind} values but is stored as {qtype.name}")
+            if qtype not in checked:
+                checked[qtype] = _can_dequantise(qtype)
+            if not checked[qtype]:
+                raise GGUFError(f"{self.path}: tensor {name!r} has GGML type {qtype.name} (id {int(qtype)}), "
+                                f"which the gguf package cannot dequantise")
+
+
+def _map(path: str) -> mmap.mmap:
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise GGUFError(f"{path}: empty file, not a GGUF file")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+_VIEW_DTYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.F64: np.float64, **_INT_TYPES}
+
+
+def _view(buf: mmap.mmap, qtype: QType, shape: tuple[int, ...], offset: int, n: int) -> np.ndarray:
+    """The stored data as a read-only array: values for plain types, bytes per row for quantised ones."""
+    if qtype in _VIEW_DTYPES:
+        return np.frombuffer(buf, _VIEW_DTYPES[qtype], n, offset).reshape(shape)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    byte_shape = (*shape[:-1], shape[-1] // block * size) if shape else (size,)
+    return np.frombuffer(buf, np.uint8, n // block * size, offset).reshape(byte_shape)
+
+
+def _config_from(meta: dict, path: str) -> DS4Config:
+    try:
+        return DS4Config.from_metadata(meta)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise GGUFError(f"{path}: {exc}") from None
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
+    """Open and check a deepseek4 GGUF file (header only; tensors stay on disk)."""
+    return GGUFModelFile(path)
+
+
+class GGUFWeights(Weights):
+    """Weights read lazily from an opened GGUF file."""
+
+    def __init__(self, model_file: GGUFModelFile, dtype=np.float32, max_cached_experts: int | None = None):
+        super().__init__(model_file.config, dtype, max_cached_experts)
+        self.file = model_file
+
+    def _load(self, name: str) -> np.ndarray:
+        return self.file.read(name)
+
+    def _load_expert(self, name: str, e: int) -> np.ndarray:
+        return self.file.read_expert(name, e)
+
+    def qtype(self, name: str) -> QType:
+        return self.file.tensor(name).qtype
+
+    def with_dtype(self, dtype) -> "GGUFWeights":
+        return GGUFWeights(self.file, dtype, self.max_cached_experts)
+
+
+# ---------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------
+def _value_type(key: str, value: Any) -> tuple[VType, VType | None]:
+    if key in _KEY_TYPES:
+        return _KEY_TYPES[key]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise GGUFError(f"metadata key {key!r}: cannot write an empty array (its element type is unknown)")
+        return VType.ARRAY, _value_type(key + "[]", value[0])[0]
+    if isinstance(value, (bool, np.bool_)):
+        return VType.BOOL, None
+    if isinstance(value, (int, np.integer)):
+        if 0 <= value < 1 << 32:
+            return VType.UINT32, None
+        return (VType.UINT64 if value >= 0 else VType.INT64), None
+    if isinstance(value, (float, np.floating)):
+        return VType.FLOAT32, None
+    if isinstance(value, str):
+        return VType.STRING, None
+    raise GGUFError(f"metadata key {key!r}: cannot write a value of type {type(value).__name__}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _add_metadata(writer: gguf.GGUFWriter, meta: Mapping[str, Any]) -> None:
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue  # GGUFWriter writes it from its `arch` argument
+        vtype, sub = _value_type(key, value)
+        writer.add_key_value(key, _plain(value), vtype, sub)
+
+
+def _tensor_order(config: DS4Config, names: Iterable[str]) -> list[str]:
+    known = list(tensor_shapes(config))
+    extra = sorted(set(names) - set(known))
+    return known + extra
+
+
+def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str, Any],
+               tokenizer_meta: Mapping[str, Any] | None = None,
+               dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32",
+               extra_meta: Mapping[str, Any] | None = None) -> None:
+    """Write a deepseek4 GGUF.
+
+    `tensors` maps GGUF names to arrays in NumPy shape (anything with `.shape`
+    that np.asarray accepts, so a caller may produce huge tensors one at a
+    time). `dtypes` picks the stored type per tensor ("f32", "f16", "bf16",
+    "q8_0", ...); integer tensors are always I32.
+    """
+    check_tensor_shapes(config, {k: tuple(v.shape) for k, v in tensors.items()}, "write_gguf")
+    dtypes = dict(dtypes or {})
+    meta = dict(config.to_metadata())
+    meta.update(tokenizer_meta or {})
+    meta.update(extra_meta or {})
+    writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    try:
+        _add_metadata(writer, meta)
+        order = _tensor_order(config, tensors)
+        for name in order:  # tensor infos first: the header precedes all data
+            qtype = QType.I32 if is_int_tensor(name) else qtype_of(dtypes.get(name, default_dtype))
+            shape = tuple(tensors[name].shape)
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), _stored_nbytes(name, shape, qtype),
+                                   raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name in order:
+            payload, _ = encode_tensor(name, np.asarray(tensors[name]), dtypes.get(name, default_dtype))
+            writer.write_tensor_data(payload)
+    finally:
+        writer.close()
+
+
+def _stored_nbytes(name: str, shape: tuple[int, ...], qtype: QType) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape, dtype=np.int64))
+    if shape and shape[-1] % block:
+        raise GGUFError(f"tensor {name!r}: row length {shape[-1]} is not a multiple of the "
+                        f"{qtype.name} block size {block}")
+    return n // block * size

@@ -1,0 +1,157 @@
+"""Weight access for the math: whole tensors and single routed experts.
+
+The math asks for tensors by their GGUF name and gets NumPy arrays in the
+shapes of ds4ref.tensors, already dequantised to one float dtype. Routed
+expert tensors are large (25.8 GB per Flash layer in f32), so they are also
+reachable one expert at a time; an implementation backed by a quantised file
+dequantises only that expert's slice.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Mapping
+
+import numpy as np
+
+from .config import DS4Config
+from .tensors import is_int_tensor, tensor_shapes
+
+FLOAT_DTYPES = (np.float32, np.float64)
+
+
+class WeightsError(ValueError):
+    """A tensor is missing, has the wrong shape, or cannot be read."""
+
+
+def check_float_dtype(dtype) -> type:
+    dt = np.dtype(dtype).type
+    if dt not in FLOAT_DTYPES:
+        raise WeightsError(f"weights dtype must be float32 or float64, got {np.dtype(dtype).name}")
+    return dt
+
+
+def check_tensor_shapes(config: DS4Config, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Raise unless every tensor the config needs is in `shapes` with its expected shape.
+
+    Extra tensors are allowed: published files may carry more (e.g. MTP) than
+    the main forward pass reads.
+    """
+    for name, expected in tensor_shapes(config).items():
+        if name not in shapes:
+            raise WeightsError(f"{where}: missing tensor {name!r} (expected NumPy shape {expected})")
+        found = tuple(int(n) for n in shapes[name])
+        if found != tuple(expected):
+            raise WeightsError(f"{where}: tensor {name!r} has NumPy shape {found}, expected {tuple(expected)}")
+
+
+class Weights:
+    """Base class: caching and expert slicing on top of two loaders.
+
+    Subclasses implement `_load(name)` (the whole tensor, any float or int
+    dtype) and may override `_load_expert(name, e)` to avoid touching the
+    other experts.
+    """
+
+    def __init__(self, config: DS4Config, dtype=np.float32, max_cached_experts: int | None = None):
+        self.config = config
+        self.dtype = check_float_dtype(dtype)
+        self._shapes = tensor_shapes(config)
+        self._cache: dict[str, np.ndarray] = {}
+        # LRU, because all 256 experts of 43 Flash layers would not fit in memory.
+        self._experts: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self.max_cached_experts = max_cached_experts
+
+    # ---- what subclasses provide ----------------------------------------
+    def _load(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _load_expert(self, name: str, e: int) -> np.ndarray:
+        return self._load(name)[e]
+
+    def names(self) -> list[str]:
+        """Names of every tensor the model needs (all are present once constructed)."""
+        return list(self._shapes)
+
+    def with_dtype(self, dtype) -> "Weights":
+        raise NotImplementedError
+
+    # ---- the interface the math uses ------------------------------------
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._shapes:
+            raise WeightsError(f"unknown tensor {name!r} for this config")
+        return self._shapes[name]
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor, `dtype` (int32 for tid2eid), NumPy shape from ds4ref.tensors.
+
+        The returned array is read-only so that a caller cannot corrupt the cache.
+        """
+        arr = self._cache.get(name)
+        if arr is None:
+            shape = self.shape(name)  # unknown names fail here, before any loading
+            arr = self._finish(name, self._load(name), shape)
+            self._cache[name] = arr
+        return arr
+
+    def expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e's (out, in) matrix of a 3-D `*_exps.weight` tensor."""
+        shape = self.shape(name)
+        if len(shape) != 3:
+            raise WeightsError(f"{name!r} is not a per-expert tensor (shape {shape})")
+        if not 0 <= e < shape[0]:
+            raise WeightsError(f"expert index {e} out of range 0..{shape[0] - 1} for {name!r}")
+        if name in self._cache:  # the whole tensor is already resident: a view costs nothing
+            return self._cache[name][e]
+        key = (name, int(e))
+        arr = self._experts.get(key)
+        if arr is None:
+            arr = self._finish(name, self._load_expert(name, e), shape[1:])
+            self._experts[key] = arr
+            self._evict()
+        else:
+            self._experts.move_to_end(key)
+        return arr
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._experts.clear()
+
+    # ---- helpers -----------------------------------------------------------
+    def _evict(self) -> None:
+        if self.max_cached_experts is None:
+            return
+        while len(self._experts) > self.max_cached_experts:
+            self._experts.popitem(last=False)
+
+    def _finish(self, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        target = np.int32 if is_int_tensor(name) else self.dtype
+        out = np.ascontiguousarray(arr, dtype=target)
+        if out.shape != tuple(shape):
+            raise WeightsError(f"tensor {name!r} loaded with shape {out.shape}, expected {tuple(shape)}")
+        if np.may_share_memory(out, arr):
+            out = out.copy()  # never hand out a view of a caller's dict or of the memory map
+        out.flags.writeable = False
+        return out
+
+
+class DictWeights(Weights):
+    """In-memory weights, keyed by GGUF name (tests, converter, tiny model)."""
+
+    def __init__(self, config: DS4Config, tensors: Mapping[str, np.ndarray], dtype=np.float32,
+                 max_cached_experts: int | None = None):
+        super().__init__(config, dtype, max_cached_experts)
+        check_tensor_shapes(config, {k: np.shape(v) for k, v in tensors.items()}, "DictWeights")
+        for name in self._shapes:
+            if is_int_tensor(name) and not np.issubdtype(np.asarray(tensors[name]).dtype, np.integer):
+                raise WeightsError(f"DictWeights: tensor {name!r} must hold integers, "
+                                   f"got {np.asarray(tensors[name]).dtype}")
+        self._tensors = dict(tensors)
+
+    def _load(self, name: str) -> np.ndarray:
+        return np.asarray(self._tensors[name])
+
+    def _load_expert(self, name: str, e: int) -> np.ndarray:
+        return np.asarray(self._tensors[name][e])
+
+    def with_dtype(self, dtype) -> "DictWeights":
+        return DictWeights(self.config, self._tensors, dtype, self.max_cached_experts)

@@ -1,0 +1,40 @@
+"""Shared fixtures. Keep this small: fixtures used by more than one test file only."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Two cores shared by several people: small example budgets unless asked otherwise
+# (HYPOTHESIS_PROFILE=thorough for a longer run).
+settings.register_profile("ds4ref", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ds4ref"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    """The packaged ds4ref/data/ds4-tiny.gguf."""
+    from ds4ref.tiny import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_file(tiny_model_path):
+    from ds4ref.gguf_io import open_gguf
+    return open_gguf(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_file):
+    """Float32 weights of the packaged tiny model (session-cached: do not mutate)."""
+    return tiny_file.weights(np.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_file):
+    from ds4ref.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(tiny_file.metadata)

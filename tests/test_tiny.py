@@ -1,0 +1,102 @@
+"""The tiny random model: config, weights, determinism and the packaged file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4ref.gguf_io import open_gguf
+from ds4ref.tensors import is_int_tensor, tensor_shapes
+from ds4ref.tiny import default_model_path, main, random_tensors, tiny_config, write_tiny
+
+
+def test_default_config_is_the_specified_one():
+    c = tiny_config()
+    assert (c.n_layer, c.n_embd, c.vocab_size, c.n_head, c.head_dim, c.n_rot) == (6, 128, 512, 4, 96, 32)
+    assert c.compress_ratios == (0, 0, 4, 128, 4, 128)
+    assert (c.q_lora_rank, c.o_lora_rank, c.o_groups) == (64, 64, 2)
+    assert (c.n_expert, c.n_expert_used, c.n_expert_shared, c.expert_ff, c.n_hash_layers) == (8, 2, 1, 64, 3)
+    assert (c.sliding_window, c.indexer_heads, c.indexer_head_dim, c.indexer_top_k) == (16, 8, 64, 8)
+    assert (c.hc_mult, c.hc_sinkhorn_iters, c.context_length) == (4, 20, 4096)
+    assert all(1.5 <= x <= 3.0 for x in c.swiglu_clamp) and len(set(c.swiglu_clamp)) > 1
+
+
+def test_layer_override_extends_the_flash_schedule():
+    assert tiny_config(n_layer=9).compress_ratios == (0, 0, 4, 128, 4, 128, 4, 128, 4)
+    assert len(tiny_config(n_layer=9).swiglu_clamp) == 9
+
+
+def test_random_tensors_cover_every_tensor():
+    cfg = tiny_config()
+    t = random_tensors(cfg, seed=5)
+    shapes = tensor_shapes(cfg)
+    assert set(t) == set(shapes)
+    for name, arr in t.items():
+        assert arr.shape == shapes[name], name
+        assert arr.dtype == (np.int32 if is_int_tensor(name) else np.float32), name
+        if arr.size > 1:  # every parameter kind is random, none left at a constant
+            assert np.unique(arr).size > 1, name
+
+
+def test_hash_routing_table_has_distinct_valid_experts():
+    cfg = tiny_config()
+    tid = random_tensors(cfg, seed=1)["blk.0.ffn_gate_tid2eid.weight"]
+    assert tid.min() >= 0 and tid.max() < cfg.n_expert
+    assert all(len(set(row)) == cfg.n_expert_used for row in tid.tolist())
+    # every expert is used by some token, so hash layers exercise all of them
+    assert set(np.unique(tid)) == set(range(cfg.n_expert))
+
+
+def test_seeds_are_deterministic_and_distinct():
+    cfg = tiny_config(n_layer=3)
+    a, b, c = random_tensors(cfg, 7), random_tensors(cfg, 7), random_tensors(cfg, 8)
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert not np.array_equal(a["token_embd.weight"], c["token_embd.weight"])
+
+
+def test_write_tiny_is_deterministic(tmp_path):
+    cfg = tiny_config(n_layer=3)
+    write_tiny(tmp_path / "a.gguf", cfg, seed=2)
+    write_tiny(tmp_path / "b.gguf", cfg, seed=2)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_packaged_file_is_current(tmp_path, tiny_model_path):
+    # Regenerate with: python -m ds4ref.tiny --out ds4ref/data/ds4-tiny.gguf
+    write_tiny(tmp_path / "fresh.gguf", seed=0)
+    assert tiny_model_path == default_model_path() and tiny_model_path.stat().st_size < 16 << 20
+    assert tiny_model_path.read_bytes() == (tmp_path / "fresh.gguf").read_bytes()
+
+
+def test_packaged_file_opens_with_the_tiny_config(tiny_file):
+    assert tiny_file.config == tiny_config()
+    assert tiny_file.metadata["tokenizer.ggml.pre"] == "joyai-llm"
+
+
+def test_cli_writes_requested_layers(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    main(["--out", str(out), "--layers", "4", "--seed", "3"])
+    cfg = open_gguf(out).config
+    assert cfg.n_layer == 4 and cfg.compress_ratios == (0, 0, 4, 128)
+    assert "4 layers" in capsys.readouterr().out
+
+
+def test_swiglu_clamps_bite_on_random_inputs(tiny_weights):
+    # unit-RMS inputs (what rms(·; ffn_norm) produces) through layer 3's gate projection
+    cfg = tiny_weights.config
+    x = np.random.default_rng(0).standard_normal((64, cfg.n_embd)).astype(np.float32)
+    g = x @ tiny_weights.expert("blk.3.ffn_gate_exps.weight", 0).T
+    clipped = np.mean(g > cfg.swiglu_clamp[3])
+    assert 0.05 < clipped < 0.6
+
+
+def test_logits_are_peaked(tiny_weights):
+    model_mod = pytest.importorskip("ds4ref.reference.model")
+    ids = np.random.default_rng(4).integers(0, tiny_weights.config.vocab_size, 24)
+    logits = model_mod.Model(tiny_weights).score(ids)
+    assert np.all(np.isfinite(logits))
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    assert np.mean(top2[:, 1] - top2[:, 0] > 1e-3) > 0.9
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    assert np.median(p.max(1)) > 10 / tiny_weights.config.vocab_size  # far from uniform
+    assert 0.3 < float(logits.std(1).mean()) < 30  # O(1) activations, no blow-up
