@@ -1,0 +1,264 @@
+"""Checkpoint -> GGUF converter (ds4ref.convert) and the checkpoint writer (ds4ref.hf)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from ds4ref.convert import ConvertError, convert, main
+from ds4ref.gguf_io import open_gguf, stored_values
+from ds4ref.hf import HFError, config_from_hf, config_to_hf, export_checkpoint
+from ds4ref.tensors import tensor_shapes
+from ds4ref.tiny import random_tensors, tiny_config
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _cfg(**kw):
+    # transformers has a single swiglu_limit, so the HF-representable tiny model uses one clamp.
+    base = dict(n_layer=4, swiglu_clamp=[2.0] * 4, context_length=1 << 20)
+    base.update(kw)
+    return tiny_config(**base)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = _cfg()
+    return cfg, random_tensors(cfg, seed=5)
+
+
+def _same_config(a, b):
+    # general.name comes from the directory name; everything else must round-trip.
+    assert dataclasses.replace(a, name="x") == dataclasses.replace(b, name="x")
+
+
+def _assert_same_tensors(path, cfg, tensors):
+    f = open_gguf(path)
+    _same_config(f.config, cfg)
+    assert set(tensor_shapes(cfg)) <= set(f.tensors)
+    for name, want in tensors.items():
+        got = f.read(name)
+        assert got.dtype == (np.int32 if name.endswith("tid2eid.weight") else np.float32), name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("names,style,prefix", [
+    ("hf", "modern", True), ("hf", "legacy", False), ("official", "legacy", True), ("official", "modern", True)])
+def test_round_trip(tmp_path, model, names, style, prefix):
+    cfg, tensors = model
+    export_checkpoint(tmp_path / "ck", cfg, tensors, names=names, config_style=style, prefix=prefix)
+    convert(tmp_path / "ck", tmp_path / "m.gguf")
+    _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+
+
+@pytest.mark.parametrize("original_format", [True, False])
+def test_round_trip_through_transformers_save(tmp_path, model, original_format):
+    """What transformers itself writes (its hybrid 'original' names, or its own names) converts back."""
+    from ds4ref.hf import hf_model
+
+    cfg, tensors = model
+    hf_model(cfg, tensors, torch.float32).save_pretrained(tmp_path / "ck", save_original_format=original_format)
+    convert(tmp_path / "ck", tmp_path / "m.gguf")
+    _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+
+
+def test_config_key_styles_agree(model):
+    cfg, _ = model
+    modern, legacy = config_to_hf(cfg, "modern"), config_to_hf(cfg, "legacy")
+    assert "layer_types" in modern and "compress_ratios" not in modern
+    assert "compress_ratios" in legacy and "layer_types" not in legacy
+    _same_config(config_from_hf(modern), cfg)
+    _same_config(config_from_hf(legacy), cfg)
+
+
+def test_config_from_transformers_object(model):
+    """transformers' own normalised config (legacy keys folded in) reads back the same."""
+    from transformers import DeepseekV4Config
+
+    cfg, _ = model
+    d = config_to_hf(cfg, "legacy")
+    hc = DeepseekV4Config(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    _same_config(config_from_hf(hc.to_dict()), cfg)
+
+
+def test_legacy_ratios_may_carry_the_mtp_entry(model):
+    cfg, _ = model
+    d = config_to_hf(cfg, "legacy")
+    d["compress_ratios"] = list(cfg.compress_ratios) + [0]  # published: one extra entry for the MTP layer
+    assert config_from_hf(d).compress_ratios == cfg.compress_ratios
+
+
+def test_missing_schedule_is_refused(model):
+    cfg, _ = model
+    d = config_to_hf(cfg, "legacy")
+    del d["compress_ratios"]
+    with pytest.raises(HFError, match="compression schedule"):
+        config_from_hf(d)
+
+
+def test_per_layer_clamps_are_not_representable():
+    with pytest.raises(HFError, match="swiglu_limit"):
+        config_to_hf(tiny_config(n_layer=4), "modern")  # the tiny model's clamps differ per layer
+
+
+@pytest.mark.parametrize("dtype,qname", [("f16", "F16"), ("bf16", "BF16")])
+def test_dtype_option(tmp_path, model, dtype, qname):
+    cfg, tensors = model
+    export_checkpoint(tmp_path / "ck", cfg, tensors)
+    convert(tmp_path / "ck", tmp_path / "m.gguf", dtype=dtype)
+    f = open_gguf(tmp_path / "m.gguf")
+    for name, want in tensors.items():
+        q = f.tensors[name].qtype.name
+        if name.endswith("tid2eid.weight"):
+            assert q == "I32"
+        elif want.ndim == 1:
+            assert q == "F32", name  # norms, HC biases/scales, sinks, router bias stay f32
+        else:
+            assert q == qname, name
+            np.testing.assert_array_equal(f.read(name), stored_values(want, dtype), err_msg=name)
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+def _rewrite(ck, edit):
+    """Load ck/model.safetensors as torch tensors, apply edit(dict), save it back."""
+    path = ck / "model.safetensors"
+    sd = safetensors_torch.load_file(str(path))
+    edit(sd)
+    safetensors_torch.save_file(sd, str(path))
+
+
+@pytest.fixture
+def official_ck(tmp_path, model):
+    cfg, tensors = model
+    return export_checkpoint(tmp_path / "ck", cfg, tensors, names="official", config_style="legacy")
+
+
+def test_fp8_weight_refused(tmp_path, official_ck):
+    name = "layers.1.attn.wq_a.weight"
+
+    def edit(sd):
+        sd[name] = sd[name].to(torch.float8_e4m3fn)
+        sd["layers.1.attn.wq_a.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+
+    _rewrite(official_ck, edit)
+    with pytest.raises(ConvertError, match=r"'layers\.1\.attn\.wq_a\.(weight|scale)'.*F8_E"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_packed_fp4_experts_refused(tmp_path, official_ck):
+    name = "layers.2.ffn.experts.3.w1.weight"
+
+    def edit(sd):
+        sd[name] = torch.zeros(sd[name].shape[0], sd[name].shape[1] // 2, dtype=torch.int8)
+
+    _rewrite(official_ck, edit)
+    with pytest.raises(ConvertError, match=r"'layers\.2\.ffn\.experts\.3\.w1\.weight'.*I8"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_scale_companion_refused_even_in_float(tmp_path, official_ck):
+    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.0.attn.wkv.scale", torch.ones(1, 1)))
+    with pytest.raises(ConvertError, match=r"'layers\.0\.attn\.wkv\.scale' is a quantisation scale"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_missing_tensor_named(tmp_path, official_ck):
+    _rewrite(official_ck, lambda sd: sd.pop("layers.2.attn.compressor.wgate.weight"))
+    with pytest.raises(ConvertError, match=r"missing tensors.*'blk\.2\.attn_compressor_gate\.weight'"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_missing_expert_named(tmp_path, official_ck):
+    _rewrite(official_ck, lambda sd: sd.pop("layers.3.ffn.experts.5.w3.weight"))
+    with pytest.raises(ConvertError, match=r"'blk\.3\.ffn_up_exps\.weight\[expert 5\]'"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_unexpected_tensor_named(tmp_path, official_ck):
+    # Layer 0 is a sliding-window layer: a compressor there is a config/checkpoint mismatch.
+    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.0.attn.compressor.ape", torch.zeros(4, 192)))
+    with pytest.raises(ConvertError, match=r"unexpected tensors.*'layers\.0\.attn\.compressor\.ape'"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_wrong_shape_named(tmp_path, official_ck):
+    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.1.attn.wkv.weight", torch.zeros(3, 3)))
+    with pytest.raises(ConvertError, match=r"'layers\.1\.attn\.wkv\.weight' has shape \(3, 3\)"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_duplicate_spellings_refused(tmp_path, official_ck):
+    # the same tensor under its official and its transformers name
+    _rewrite(official_ck, lambda sd: sd.__setitem__("model.layers.1.self_attn.sinks", sd["layers.1.attn.attn_sink"].clone()))
+    with pytest.raises(ConvertError, match="both map to 'blk.1.attn_sinks.weight'"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_mtp_tensors_ignored(tmp_path, model, official_ck):
+    cfg, tensors = model
+    _rewrite(official_ck, lambda sd: sd.__setitem__("mtp.0.e_proj.weight", torch.zeros(4, 4)))
+    convert(official_ck, tmp_path / "m.gguf")
+    _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+
+
+def test_bad_config_named(tmp_path, official_ck):
+    d = json.loads((official_ck / "config.json").read_text())
+    d["scoring_func"] = "softmax"
+    (official_ck / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConvertError, match="scoring_func"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def test_cli(tmp_path, model, official_ck, capsys):
+    cfg, tensors = model
+    main(["--hf", str(official_ck), "--out", str(tmp_path / "m.gguf")])
+    assert "wrote" in capsys.readouterr().out
+    _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+    (official_ck / "config.json").unlink()
+    with pytest.raises(SystemExit, match="no config.json"):
+        main(["--hf", str(official_ck), "--out", str(tmp_path / "n.gguf")])
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+def _tokenizer_json(meta: dict, drop_last: bool = False) -> dict:
+    """A transformers tokenizer.json holding the tiny model's vocabulary (controls as added tokens)."""
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    n = len(tokens) - 1 if drop_last else len(tokens)
+    vocab = {t: i for i, (t, k) in enumerate(zip(tokens[:n], types[:n])) if k != 3}
+    added = [{"id": i, "content": t, "special": True} for i, (t, k) in enumerate(zip(tokens, types)) if k == 3]
+    return {"model": {"type": "BPE", "vocab": vocab, "merges": meta["tokenizer.ggml.merges"]},
+            "added_tokens": added}
+
+
+def test_tokenizer_converted(tmp_path, model, official_ck):
+    from ds4ref.tokenizer import Tokenizer, tiny_tokenizer_meta
+
+    cfg, _ = model
+    meta = tiny_tokenizer_meta(cfg.vocab_size)
+    (official_ck / "tokenizer.json").write_text(json.dumps(_tokenizer_json(meta)), encoding="utf-8")
+    (official_ck / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    convert(official_ck, tmp_path / "m.gguf")
+    got = open_gguf(tmp_path / "m.gguf").metadata
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        assert got[key] == meta[key], key
+    assert got["tokenizer.chat_template"] == "{{ x }}"
+    text = "Ada Lovelace wrote the first program."
+    assert Tokenizer.from_gguf(got).encode(text) == Tokenizer.from_gguf(meta).encode(text)
+
+
+def test_tokenizer_padded_to_vocab_size(tmp_path, model):
+    from ds4ref.convert import tokenizer_meta
+    from ds4ref.tokenizer import tiny_tokenizer_meta
+
+    cfg, _ = model
+    (tmp_path / "tokenizer.json").write_text(json.dumps(_tokenizer_json(tiny_tokenizer_meta(cfg.vocab_size), True)))
+    meta = tokenizer_meta(tmp_path, cfg)
+    last = cfg.vocab_size - 1
+    assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size
+    assert meta["tokenizer.ggml.tokens"][last] == f"[PAD{last}]" and meta["tokenizer.ggml.token_type"][last] == 5
