@@ -1,0 +1,82 @@
+"""python -m ds4ref.serve: the OpenAI-compatible server (flags in docs/serving.md)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import MAX_LANES
+
+
+def _int_in(text: str, lo: int, hi: int | None, why: str = "") -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < lo or (hi is not None and n > hi):
+        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {n}")
+    return n
+
+
+def lanes(text: str) -> int:
+    return _int_in(text, 1, MAX_LANES, f" (one pass holds {MAX_LANES} rows)")
+
+
+def positive(text: str) -> int:
+    return _int_in(text, 1, None)
+
+
+def non_negative(text: str) -> int:
+    return _int_in(text, 0, None)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ds4ref.serve", description="Serve a DS4 model over an "
+                                "OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
+    p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
+    p.add_argument("--numerics", choices=("official", "plain"), default="official",
+                   help="FP8/FP4 simulation on (official) or off (plain)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-concurrency", type=lanes, default=16, help=f"decode lanes, 1..{MAX_LANES}")
+    p.add_argument("--kv-pool-tokens", type=positive, default=None,
+                   help="size of the shared KV page pool in tokens (needs --max-concurrency > 1)")
+    p.add_argument("--max-context", type=positive, default=None,
+                   help="per-request context limit, prompt plus output (default: the model's)")
+    p.add_argument("--max-queue", type=non_negative, default=None,
+                   help="requests allowed to wait for a lane; more get 503 (default: unbounded)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: general.name)")
+    p.add_argument("--prompt-quantum", type=positive, default=1,
+                   help="prompt rows a prefilling request may take per pass (1 = upstream's exact mode)")
+    p.add_argument("--max-pending-events", type=positive, default=1024,
+                   help="unread events a client may fall behind before its request is cancelled")
+    p.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds a client may leave output unread before its request is cancelled (0 = never)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds to let open requests finish after SIGTERM/SIGINT")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import build_state, create_app
+    try:
+        state = build_state(args.model, args.backend, args.max_concurrency, args.kv_pool_tokens,
+                            args.max_context, args.max_queue, args.served_model_name,
+                            args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics)
+    except Exception as e:  # a bad flag combination, a missing GPU, an unreadable file
+        print(f"ds4ref.serve: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{state.banner}; listening on http://{args.host}:{args.port}", flush=True)
+    import uvicorn
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over a Runner.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both optionally
+streamed as server-sent events ending with `data: [DONE]`), GET /v1/models,
+GET /health, GET /metrics. Every invalid request is answered 400 with an
+OpenAI-style error body naming the field; a full waiting queue is 503 with
+Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
+from ..scheduler.scheduler import QueueFull
+from .chat import BOS, ChatTemplateError, encode_chat, thinking_requested
+from .protocol import U64, ChatCompletionRequest, CompletionRequest
+from .runner import Runner, StreamAborted
+from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
+
+log = logging.getLogger("ds4ref.serve")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+MAX_PROMPT_CHARS_PER_TOKEN = 256    # longer text is refused before tokenising it
+RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 64 << 20           # a 1M-token prompt as a JSON id list is ~8 MB
+
+
+@dataclass
+class ServerState:
+    runner: Runner
+    tokenizer: Any
+    model_name: str
+    max_context: int
+    vocab_size: int
+    banner: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---- errors ------------------------------------------------------------------------
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, type: str = "invalid_request_error",
+                 headers: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# pydantic union branch tags ("str", "list[int]", "function-after[...]") are not field names
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc: tuple) -> Optional[str]:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part not in _TYPE_TAGS and not any(c in part for c in "[-"):
+            path += f".{part}" if path else part
+    return path or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    param = _param_path(tuple(errors[0].get("loc", ())))
+    msgs = []
+    for e in errors[:3]:
+        where = _param_path(tuple(e.get("loc", ()))) or "body"
+        msgs.append(f"{where}: {e.get('msg', 'invalid')}")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "the request body is not valid JSON", None, "invalid_json")
+    if param is None and errors[0].get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return APIError(400, "the request body must be a JSON object, sent with Content-Type: "
+                             "application/json", None, "invalid_body")
+    return APIError(400, "; ".join(msgs), param, "invalid_value")
+
+
+# ---- turning a validated body into an engine Request ------------------------------------
+
+def _sampling(body: Union[CompletionRequest, ChatCompletionRequest], logprobs: Optional[int]) -> Sampling:
+    return Sampling(
+        temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+        seed=None if body.seed is None else body.seed & U64,  # negative seeds as two's complement
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+
+
+def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
+    if not ids:
+        raise APIError(400, "the prompt is empty", param, "empty_prompt")
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{state.vocab_size - 1})",
+                       param, "invalid_token")
+    if len(ids) >= state.max_context:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; the context limit is {state.max_context}",
+                       param, "context_length_exceeded")
+
+
+def _max_new_tokens(state: ServerState, n_prompt: int, asked: Optional[int], default: Optional[int],
+                    param: str) -> int:
+    room = state.max_context - n_prompt
+    if asked is None:
+        return room if default is None else min(default, room)
+    if asked > room:
+        raise APIError(400, f"{param}={asked} plus the prompt's {n_prompt} tokens exceeds the context "
+                            f"limit of {state.max_context}", param, "context_length_exceeded")
+    return asked
+
+
+async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state: ServerState) -> list[int]:
+    if n_chars > state.max_context * MAX_PROMPT_CHARS_PER_TOKEN:
+        raise APIError(400, f"the prompt text ({n_chars} characters) cannot fit the context limit of "
+                            f"{state.max_context} tokens", param, "context_length_exceeded")
+    try:
+        # off the event loop: a long prompt must not hold up the other streams
+        return await asyncio.to_thread(fn)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), e.param, "invalid_messages") from None
+    except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+        raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
+
+
+def _check_model(state: ServerState, model: Optional[str]) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
+                       "model", "model_not_found")
+
+
+# ---- one generation ------------------------------------------------------------------------------
+
+class Generation:
+    """One request's life: submit, read events, turn tokens into text, cancel if abandoned."""
+
+    def __init__(self, state: ServerState, request: Request, stop_strings: list[str], thinking: bool,
+                 want_logprobs: bool) -> None:
+        self.state, self.request = state, request
+        self.text = TextAssembler(state.tokenizer, stop_strings, thinking)
+        self.want_logprobs = want_logprobs
+        self.tokens: list[TokenInfo] = []
+        self.finish_reason: Optional[str] = None
+        self.completion_tokens = 0
+        self.arrived = time.monotonic()
+        self._stream = None
+        self._closed = False
+        self._engine_done = False  # a FinishEvent arrived: nothing left to cancel
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    async def start(self, param: str) -> None:
+        runner, metrics = self.state.runner, self.state.runner.metrics
+        try:
+            self._stream = await runner.submit(self.request)
+        except Refused as e:
+            metrics.requests.inc("refused")
+            raise APIError(400, str(e), param, "prompt_refused") from None
+        except QueueFull as e:
+            metrics.requests.inc("queue_full")
+            raise APIError(503, f"server busy: {e}", None, "queue_full", "server_busy",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except StreamAborted as e:
+            metrics.requests.inc("unavailable")
+            raise APIError(503, str(e), None, "unavailable", "server_error",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from None
+        metrics.requests.inc("accepted")
+        metrics.prompt_tokens.inc(by=self.prompt_tokens)
+
+    async def events(self) -> AsyncIterator[tuple[list[Delta], list[TokenInfo]]]:
+        """(text deltas, new tokens) per batch of events, until the request ends.
+        Raises APIError(500) if the engine failed or the runner gave up on us."""
+        while self.finish_reason is None:
+            try:
+                batch = await self._stream.next_events()
+            except StreamAborted as e:
+                self.finish_reason = "error"
+                raise APIError(500, f"generation aborted: {e}", None, "aborted", "server_error") from None
+            deltas: list[Delta] = []
+            infos: list[TokenInfo] = []
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    if self.completion_tokens == 0:
+                        self.state.runner.metrics.ttft_seconds.observe(time.monotonic() - self.arrived)
+                    self.completion_tokens += 1
+                    info = self._token_info(ev) if self.want_logprobs else None
+                    deltas += self.text.push(ev.token)
+                    if info is not None:
+                        infos.append(info)
+                        self.tokens.append(info)
+                    if self.text.stopped:
+                        self.finish_reason = "stop"
+                        self.close()  # frees the slot at the next step
+                        break
+                elif isinstance(ev, FinishEvent):
+                    self._engine_done = True
+                    if ev.reason == "error":
+                        self.finish_reason = "error"
+                        raise APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
+                    if ev.reason == "cancelled":
+                        self.finish_reason = "error"
+                        raise APIError(500, "the request was cancelled by the server", None, "cancelled",
+                                       "server_error")
+                    self.finish_reason = ev.reason
+                    deltas += self.text.finish()
+                    break
+            yield deltas, infos
+
+    def _token_info(self, ev: TokenEvent) -> TokenInfo:
+        tok = self.state.tokenizer
+        top = [(int(t), tok.decode([int(t)]), float(lp)) for t, lp in (ev.top_logprobs or [])]
+        return TokenInfo(ev.token, tok.decode([ev.token]), ev.logprob, top, len(self.text.answer),
+                         tok.decode_bytes([ev.token]))
+
+    def close(self) -> None:
+        """Cancel the request unless the engine already finished it. Idempotent."""
+        if self._stream is not None and not self._closed:
+            self._closed = True
+            if not self._engine_done:
+                self.state.runner.cancel(self.request.req_id)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+async def _until_disconnect(http: HTTPRequest) -> None:
+    while True:
+        msg = await http.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def collect(gen: Generation, http: HTTPRequest) -> tuple[str, str]:
+    """Run a non-streaming generation to its end; (reasoning, answer). A client
+    that disconnects first gets its request cancelled."""
+    async def drain() -> None:
+        async for _ in gen.events():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(_until_disconnect(http))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            log.info("request %d: client disconnected, cancelling", gen.request.req_id)
+            work.cancel()
+            raise APIError(499, "client disconnected", None, "client_closed")
+        work.result()  # re-raise APIError
+        return gen.text.reasoning, gen.text.released_answer
+    finally:
+        watch.cancel()
+        gen.close()
+
+
+class CancellingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the stream ends: done,
+    client disconnected (Starlette cancels the sender), or server shutdown."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- response shapes ---------------------------------------------------------------------------
+
+def _completion_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+    if not infos:
+        return None
+    return {"tokens": [i.text for i in infos], "token_logprobs": [i.logprob for i in infos],
+            "top_logprobs": [{t: lp for _, t, lp in i.top} for i in infos],
+            "text_offset": [i.offset for i in infos]}
+
+
+def _chat_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+    if not infos:
+        return None
+
+    def entry(text: str, lp: Optional[float]) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [dict(entry(i.text, i.logprob), bytes=list(i.raw),
+                             top_logprobs=[entry(t, lp) for _, t, lp in i.top]) for i in infos]}
+
+
+def _error_event(e: APIError) -> str:
+    return sse(e.body())
+
+
+class BodyLimit:
+    """Refuse (413) a request whose Content-Length exceeds max_bytes before its body
+    is read. A pure ASGI middleware: Starlette's BaseHTTPMiddleware would get in the
+    way of disconnect detection on streams."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > self.max_bytes:
+                err = APIError(413, f"request body over {self.max_bytes} bytes (or a bad Content-Length)",
+                               None, "body_too_large")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not state.runner.alive:
+            state.runner.start()
+        try:
+            yield
+        finally:
+            state.runner.stop()
+            log.info("runner stopped")
+
+    app = FastAPI(title="ds4ref", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit)
+    app.state.ds4 = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), None, None, kind, getattr(exc, "headers", None)).response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        r = state.runner
+        if not r.alive:
+            return JSONResponse({"status": "error", "error": r.error or "runner stopped"}, status_code=503)
+        return JSONResponse({"status": "ok", "running": r.stats.get("running", 0),
+                             "waiting": r.stats.get("waiting", 0)})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.runner.metrics.render(state.runner.stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "ds4ref", "max_model_len": state.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        _check_model(state, body.model)
+        if isinstance(body.prompt, str):
+            text = body.prompt
+            # DS4 expects BOS first; a prompt that already starts with it is left alone
+            ids = await _tokenize(lambda: ([] if text.startswith(BOS) else [state.tokenizer.bos_id])
+                                  + list(state.tokenizer.encode(text)), "prompt", len(text), state)
+        else:
+            ids = list(body.prompt)
+        _check_prompt(state, ids, "prompt")
+        req = Request(ids, _max_new_tokens(state, len(ids), body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                           "max_tokens"),
+                      _sampling(body, body.logprobs), stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
+        gen = Generation(state, req, body.stop_strings(), False, body.logprobs is not None)
+        await gen.start("prompt")
+        head = {"id": f"cmpl-{req.req_id}", "object": "text_completion", "created": int(time.time()),
+                "model": state.model_name}
+        if body.stream:
+            return CancellingStreamingResponse(_completion_stream(gen, head, body.include_usage), gen.close)
+        _, answer = await collect(gen, http)
+        return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens),
+                                    "finish_reason": gen.finish_reason}], usage=gen.usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        _check_model(state, body.model)
+        thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
+                                      body.thinking.model_dump() if body.thinking else None)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
+        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking), "messages", n_chars, state)
+        _check_prompt(state, ids, "messages")
+        asked, which = ((body.max_completion_tokens, "max_completion_tokens")
+                        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        req = Request(ids, _max_new_tokens(state, len(ids), asked, None, which), _sampling(body, logprobs),
+                      stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
+        gen = Generation(state, req, body.stop_strings(), thinking, body.logprobs)
+        await gen.start("messages")
+        head = {"id": f"chatcmpl-{req.req_id}", "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name}
+        if body.stream:
+            return CancellingStreamingResponse(_chat_stream(gen, head, body.include_usage), gen.close)
+        reasoning, answer = await collect(gen, http)
+        message = {"role": "assistant", "content": answer}
+        if thinking:
+            message["reasoning_content"] = reasoning
+        return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens),
+                                    "finish_reason": gen.finish_reason}], usage=gen.usage())
+
+    return app
+
+
+async def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+    try:
+        async for deltas, infos in gen.events():
+            text = "".join(d.text for d in deltas if d.channel == CONTENT)
+            if text or infos:
+                yield sse(dict(head, choices=[{"index": 0, "text": text, "logprobs": _completion_logprobs(infos),
+                                               "finish_reason": None}], **extra))
+        yield sse(dict(head, choices=[{"index": 0, "text": "", "logprobs": None,
+                                       "finish_reason": gen.finish_reason}], **extra))
+        if include_usage:
+            yield sse(dict(head, choices=[], usage=gen.usage()))
+    except APIError as e:
+        yield _error_event(e)
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    head = dict(head, object="chat.completion.chunk")
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None) -> str:
+        return sse(dict(head, choices=[{"index": 0, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": finish}], **extra))
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for deltas, infos in gen.events():
+            delta: dict = {}
+            reasoning = "".join(d.text for d in deltas if d.channel == REASONING)
+            content = "".join(d.text for d in deltas if d.channel == CONTENT)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+            if delta or infos:
+                yield chunk(delta, _chat_logprobs(infos))
+        yield chunk({}, None, gen.finish_reason)
+        if include_usage:
+            yield sse(dict(head, choices=[], usage=gen.usage()))
+    except APIError as e:
+        yield _error_event(e)
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
