@@ -1,0 +1,132 @@
+// ds4_hip.h - the one portability header for the ds4ref kernels.
+//
+// Every kernel file is written in the HIP dialect and compiled two ways:
+//   * as HIP by HIPRTC (ROCm; gfx1151 runs wave32, so a warp is 32 lanes), and
+//   * as CUDA by NVRTC (NVIDIA; warps are 32 lanes).
+// Kernel bodies use only what is common to both; the differences live here.
+// No system headers: NVRTC has none, and the runtime inlines this file into
+// each kernel source before compiling (see ds4ref/hip/runtime.py load_source).
+#pragma once
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_DEVICE_COMPILE__) || defined(__HIP_PLATFORM_AMD__)
+#define DS4_IS_HIP 1
+#else
+#define DS4_IS_HIP 0
+#endif
+
+// Fixed-width integers without <stdint.h>.
+typedef unsigned char ds4_u8;
+typedef signed char ds4_i8;
+typedef unsigned short ds4_u16;
+typedef unsigned int ds4_u32;
+typedef int ds4_i32;
+typedef unsigned long long ds4_u64;
+
+// Kernels assume 32-lane warps on both vendors (wave32 on RDNA).
+#define DS4_WARP 32
+
+// Warp shuffle: HIP has no *_sync variants on all ROCm versions; CUDA requires them.
+#if DS4_IS_HIP
+#define DS4_SHFL_XOR(v, m) __shfl_xor((v), (m), DS4_WARP)
+#define DS4_SHFL(v, src) __shfl((v), (src), DS4_WARP)
+#else
+#define DS4_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m), DS4_WARP)
+#define DS4_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src), DS4_WARP)
+#endif
+
+#define DS4_INF (__int_as_float(0x7f800000))
+#define DS4_NAN (__int_as_float(0x7fc00000))
+
+// ---- 16-bit floats as raw bits, converted explicitly ----------------------
+
+// bf16 is the top half of an f32: widening is exact.
+__device__ __forceinline__ float ds4_bf16_to_f32(ds4_u16 h) {
+    return __uint_as_float(((ds4_u32)h) << 16);
+}
+
+// IEEE half -> f32, exact for normals, subnormals, inf and NaN.
+__device__ __forceinline__ float ds4_f16_to_f32(ds4_u16 h) {
+    ds4_u32 sign = ((ds4_u32)(h & 0x8000u)) << 16;
+    ds4_u32 exp = (h >> 10) & 0x1fu;
+    ds4_u32 man = h & 0x3ffu;
+    if (exp == 0x1fu) {  // inf / NaN
+        return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    }
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in f32
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// ---- warp and block reductions with a fixed order ------------------------
+// The xor butterfly combines lanes in the same pattern every time, so a row's
+// result depends only on the row's data, never on which other rows exist.
+
+__device__ __forceinline__ float ds4_warp_sum(float v) {
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += DS4_SHFL_XOR(v, m);
+    return v;
+}
+
+__device__ __forceinline__ double ds4_warp_sum_d(double v) {
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += DS4_SHFL_XOR(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float ds4_warp_max(float v) {
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, DS4_SHFL_XOR(v, m));
+    return v;
+}
+
+// Block sum: warp butterflies, then warp 0 sums the per-warp partials in
+// warp order. `scratch` holds >= 32 floats. All threads get the result.
+__device__ __forceinline__ float ds4_block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
+    int nwarps = (blockDim.x + DS4_WARP - 1) / DS4_WARP;
+    v = ds4_warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nwarps ? scratch[lane] : 0.0f;
+        t = ds4_warp_sum(t);
+        if (lane == 0) scratch[0] = t;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+__device__ __forceinline__ float ds4_block_max(float v, float* scratch) {
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
+    int nwarps = (blockDim.x + DS4_WARP - 1) / DS4_WARP;
+    v = ds4_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nwarps ? scratch[lane] : -DS4_INF;
+        t = ds4_warp_max(t);
+        if (lane == 0) scratch[0] = t;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// ---- exact FP8 E4M3 / FP4 E2M1 grid rounding (mirrors reference/ops.py) ----
+
+// Nearest value with `mant_bits` mantissa bits and exponent >= min_exp, ties to even.
+__device__ __forceinline__ float ds4_round_to_grid(float x, int min_exp, int mant_bits) {
+    int e;
+    frexpf(fabsf(x), &e);  // |x| = m * 2^e, m in [0.5, 1)
+    int ex = e - 1 > min_exp ? e - 1 : min_exp;
+    int q = ex - mant_bits;
+    return ldexpf(rintf(ldexpf(x, -q)), q);
+}
+
+// 2^ceil(log2(y)) for y > 0, exact.
+__device__ __forceinline__ float ds4_pow2_ceil(float y) {
+    int e;
+    float m = frexpf(y, &e);
+    if (m == 0.5f) e -= 1;
+    return ldexpf(1.0f, e);
+}

@@ -1,0 +1,86 @@
+// Hyper-connections (mHC). The projection f @ fn.T runs through the matvec kernel;
+// this finishes hc_pre per row and applies hc_post.
+#include "ds4_hip.h"
+
+#define HC_MAX 8  // hc_mult limit: mixes <= 2*8 + 64
+
+__device__ __forceinline__ float hc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Per row n (one block): r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
+// pre = sigmoid(m[:hc]*scale0 + base) + hc_eps; post = 2*sigmoid(...);
+// comb = softmax over j of the hc x hc logits + hc_eps, then Sinkhorn exactly as
+// ops._sinkhorn (column pass first; sums and divisions in double, as numba does
+// with its float64 accumulator); u = sum_k pre_k * streams[k].
+extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
+                                             const float* __restrict__ base, const float* __restrict__ scale,
+                                             int hc, int d, float rms_eps, double hc_eps, int iters,
+                                             float* __restrict__ u, float* __restrict__ post,
+                                             float* __restrict__ comb) {
+    __shared__ float scratch[32];
+    __shared__ float pre_s[HC_MAX];
+    int n = blockIdx.x;
+    int mixn = 2 * hc + hc * hc;
+    const float* f = streams + (long long)n * hc * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
+    ss = ds4_block_sum(ss, scratch);
+    if (threadIdx.x == 0) {
+        float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
+        float eps32 = (float)hc_eps;
+        const float* mr = mix_raw + (long long)n * mixn;
+        for (int k = 0; k < hc; ++k) {
+            pre_s[k] = hc_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+            post[(long long)n * hc + k] = 2.0f * hc_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
+        }
+        float c[HC_MAX * HC_MAX];
+        for (int i = 0; i < hc; ++i) {  // softmax over j for each i
+            float mx = -DS4_INF;
+            for (int j = 0; j < hc; ++j) {
+                int t = 2 * hc + i * hc + j;
+                c[i * hc + j] = (mr[t] * r) * scale[2] + base[t];
+                mx = fmaxf(mx, c[i * hc + j]);
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
+            for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + eps32;
+        }
+        for (int it = 0; it < iters; ++it) {
+            if (it > 0) {
+                for (int i = 0; i < hc; ++i) {
+                    double s = 0.0;
+                    for (int j = 0; j < hc; ++j) s += (double)c[i * hc + j];
+                    double dd = s + hc_eps;
+                    for (int j = 0; j < hc; ++j) c[i * hc + j] = (float)((double)c[i * hc + j] / dd);
+                }
+            }
+            for (int j = 0; j < hc; ++j) {
+                double s = 0.0;
+                for (int i = 0; i < hc; ++i) s += (double)c[i * hc + j];
+                double dd = s + hc_eps;
+                for (int i = 0; i < hc; ++i) c[i * hc + j] = (float)((double)c[i * hc + j] / dd);
+            }
+        }
+        for (int t = 0; t < hc * hc; ++t) comb[(long long)n * hc * hc + t] = c[t];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < d; e += blockDim.x) {
+        float acc = 0.0f;
+        for (int k = 0; k < hc; ++k) acc += pre_s[k] * f[(long long)k * d + e];
+        u[(long long)n * d + e] = acc;
+    }
+}
+
+// out[n, j, e] = post[n, j] * y[n, e] + sum_i comb[n, i, j] * streams[n, i, e] (i in order).
+extern "C" __global__ void ds4_hc_post(const float* __restrict__ streams, const float* __restrict__ y,
+                                       const float* __restrict__ post, const float* __restrict__ comb,
+                                       float* __restrict__ out, int N, int hc, int d) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)N * hc * d) return;
+    int e = (int)(idx % d);
+    int j = (int)((idx / d) % hc);
+    int n = (int)(idx / ((long long)d * hc));
+    float acc = post[(long long)n * hc + j] * y[(long long)n * d + e];
+    for (int i = 0; i < hc; ++i)
+        acc += comb[((long long)n * hc + i) * hc + j] * streams[((long long)n * hc + i) * d + e];
+    out[idx] = acc;
+}

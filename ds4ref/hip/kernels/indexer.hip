@@ -1,0 +1,132 @@
+// Lightning indexer scores and deterministic top-k.
+#include "ds4_hip.h"
+
+#define IX_WARPS 8
+#define IX_DMAX 128
+#define IX_SMEM 8192
+#define IX_KPW 8   // keys per warp  // floats of staged queries: Hi * Di <= 8192 (64 heads * 128)
+
+// score[l, n] = sum_h w[l, h] * relu(q[l, h] . k[l, n]) for n < n_valid[l], -inf beyond.
+// One warp per key row (8 rows each); heads summed in order, dots by the warp butterfly.
+extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
+ds4_indexer_scores(const float* __restrict__ q, const float* __restrict__ wts,
+                   const float* __restrict__ keys, const int* __restrict__ n_valid,
+                   float* __restrict__ out, int Hi, int Di, int ncap) {
+    __shared__ __align__(16) float qs[IX_SMEM];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int l = blockIdx.y;
+    for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) qs[i] = q[(long long)l * Hi * Di + i];
+    __syncthreads();
+    // each warp scores IX_KPW consecutive keys, so the staged queries serve 64 keys per block
+    for (int kk = 0; kk < IX_KPW; ++kk) {
+        int n = (blockIdx.x * IX_WARPS + warp) * IX_KPW + kk;
+        if (n >= ncap) return;
+        if (n >= n_valid[l]) {
+            if (lane == 0) out[(long long)l * ncap + n] = -DS4_INF;
+            continue;
+        }
+        const float* kr = keys + ((long long)l * ncap + n) * Di;
+        float kv[IX_DMAX / DS4_WARP];
+        int nd = Di / DS4_WARP;
+#pragma unroll
+        for (int t = 0; t < IX_DMAX / DS4_WARP; ++t) kv[t] = t < nd ? kr[lane + DS4_WARP * t] : 0.0f;
+        float total = 0.0f;
+        for (int h = 0; h < Hi; ++h) {
+            float part = 0.0f;
+#pragma unroll
+            for (int t = 0; t < IX_DMAX / DS4_WARP; ++t)
+                if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
+            float dot = ds4_warp_sum(part);
+            total += fmaxf(dot, 0.0f) * wts[(long long)l * Hi + h];
+        }
+        if (lane == 0) out[(long long)l * ncap + n] = total;
+    }
+}
+
+// Order-preserving map of f32 to u32 (larger float -> larger key); -0 folds into +0
+// so equal scores tie exactly as in NumPy.
+__device__ __forceinline__ ds4_u32 ix_key(float x) {
+    ds4_u32 u = __float_as_uint(x == 0.0f ? 0.0f : x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum over the block, in thread order. scratch: >= 33 ints.
+__device__ __forceinline__ int ix_block_scan(int v, int* scratch, int* total) {
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
+    int nw = blockDim.x / DS4_WARP;
+    int x = v;
+    for (int off = 1; off < DS4_WARP; off <<= 1) {
+        int y = DS4_SHFL(x, lane >= off ? lane - off : lane);
+        if (lane >= off) x += y;
+    }
+    __syncthreads();
+    if (lane == DS4_WARP - 1) scratch[warp] = x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int c = 0;
+        for (int w = 0; w < nw; ++w) { int t = scratch[w]; scratch[w] = c; c += t; }
+        scratch[32] = c;
+    }
+    __syncthreads();
+    *total = scratch[32];
+    return scratch[warp] + x - v;
+}
+
+// Top-k per lane (one block each): the indices of the k highest scores among the
+// first n_valid[l], ties to the lower index, written ascending; k >= n gives 0..n-1
+// then -1. A radix select (4 passes of 8 bits, integer histograms: exact in any
+// order) finds the k-th key T; a final pass in index order keeps every key > T and
+// the lowest-indexed keys == T until k are taken.
+extern "C" __global__ void ds4_topk(const float* __restrict__ scores, const int* __restrict__ n_valid,
+                                    int ld, int k, int* __restrict__ out) {
+    __shared__ ds4_u32 hist[256];
+    __shared__ ds4_u32 sh_prefix;
+    __shared__ int sh_need;
+    __shared__ int scan_scratch[33];
+    int l = blockIdx.x;
+    const float* s = scores + (long long)l * ld;
+    int n = n_valid[l];
+    int* o = out + (long long)l * k;
+    if (k >= n) {
+        for (int i = threadIdx.x; i < k; i += blockDim.x) o[i] = i < n ? i : -1;
+        return;
+    }
+    if (threadIdx.x == 0) { sh_prefix = 0u; sh_need = k; }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        ds4_u32 hi_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0u;
+        __syncthreads();
+        ds4_u32 prefix = sh_prefix;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            ds4_u32 key = ix_key(s[i]);
+            if ((key & hi_mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int need = sh_need, cum = 0;
+            for (int d = 255; d >= 0; --d) {
+                int c = (int)hist[d];
+                if (cum + c >= need) { sh_prefix = prefix | ((ds4_u32)d << shift); sh_need = need - cum; break; }
+                cum += c;
+            }
+        }
+        __syncthreads();
+    }
+    ds4_u32 T = sh_prefix;
+    int ties = sh_need;  // how many keys == T to take, lowest index first
+    int eq_seen = 0, taken = 0;
+    for (int base = 0; base < n; base += blockDim.x) {
+        int i = base + threadIdx.x;
+        ds4_u32 key = i < n ? ix_key(s[i]) : 0u;
+        int gt = (i < n && key > T) ? 1 : 0;
+        int eq = (i < n && key == T) ? 1 : 0;
+        int eq_tot;
+        int eq_rank = ix_block_scan(eq, scan_scratch, &eq_tot);
+        int take = gt | (eq && eq_seen + eq_rank < ties);
+        int take_tot;
+        int pos = ix_block_scan(take, scan_scratch, &take_tot);
+        if (take) o[taken + pos] = i;
+        eq_seen += eq_tot;
+        taken += take_tot;
+    }
+}

@@ -1,0 +1,103 @@
+// MoE pieces: router (sqrt-softplus scores, bias for selection only, or hash ids),
+// clamped SwiGLU activation, and argmax over logits.
+#include "ds4_hip.h"
+
+#define RT_MAXE 1024
+#define RT_MAXK 32
+
+// NumPy's logaddexp(0, x) in f32: the same branches, so the same function.
+__device__ __forceinline__ float rt_softplus(float x) {
+    if (x == 0.0f) return 0.69314718055994530942f;
+    if (x > 0.0f) return x + log1pf(expf(-x));
+    return log1pf(expf(x));
+}
+
+// One block per token. ids/w are (L, k); bias may be null (no bias); hash_ids
+// (L, k) non-null selects those experts instead. ids come out ascending so the
+// expert sum has one fixed order.
+extern "C" __global__ void ds4_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     const int* __restrict__ hash_ids, int E, int k, float scale,
+                                     int normalise, int* __restrict__ ids, float* __restrict__ w) {
+    __shared__ float s[RT_MAXE];
+    __shared__ float sel[RT_MAXE];
+    __shared__ ds4_u8 chosen[RT_MAXE];
+    int l = blockIdx.x;
+    const float* x = logits + (long long)l * E;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        float v = sqrtf(rt_softplus(x[i]));
+        s[i] = v;
+        sel[i] = bias ? v + bias[i] : v;
+        chosen[i] = 0;
+    }
+    __syncthreads();
+    if (!hash_ids) {
+        // rank of i = how many beat it (higher score, or equal score at a lower index)
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {
+            float vi = sel[i];
+            int rank = 0;
+            for (int j = 0; j < E; ++j) rank += (sel[j] > vi || (sel[j] == vi && j < i)) ? 1 : 0;
+            chosen[i] = rank < k ? 1 : 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int sel_ids[RT_MAXK];
+    if (hash_ids) {
+        for (int t = 0; t < k; ++t) {  // insertion sort: ascending ids
+            int v = hash_ids[(long long)l * k + t], p = t;
+            while (p > 0 && sel_ids[p - 1] > v) { sel_ids[p] = sel_ids[p - 1]; --p; }
+            sel_ids[p] = v;
+        }
+    } else {
+        int c = 0;
+        for (int i = 0; i < E && c < k; ++i)
+            if (chosen[i]) sel_ids[c++] = i;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < k; ++t) sum += s[sel_ids[t]];
+    for (int t = 0; t < k; ++t) {
+        float v = s[sel_ids[t]];
+        if (normalise) v = v / sum;
+        ids[(long long)l * k + t] = sel_ids[t];
+        w[(long long)l * k + t] = v * scale;
+    }
+}
+
+// h = silu(min(g, clamp)) * clip(u, -clamp, clamp), elementwise over n values.
+extern "C" __global__ void ds4_swiglu_act(const float* __restrict__ g, const float* __restrict__ u,
+                                          float* __restrict__ h, long long n, float clamp) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float gv = fminf(g[i], clamp);
+    float uv = fminf(fmaxf(u[i], -clamp), clamp);
+    float sig = 1.0f / (1.0f + expf(-gv));
+    h[i] = __fmul_rn(__fmul_rn(gv, sig), uv);
+}
+
+// Index of the largest value per row (lower index wins ties), one block per row.
+// (value, index) pairs combine by an associative rule, so the result is exact.
+__device__ __forceinline__ void am_pick(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+}
+
+extern "C" __global__ void ds4_argmax(const float* __restrict__ x, int V, int* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* xr = x + (long long)blockIdx.x * V;
+    float bv = -DS4_INF;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) am_pick(bv, bi, xr[i], i);
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) {
+        float ov = DS4_SHFL_XOR(bv, m);
+        int oi = DS4_SHFL_XOR(bi, m);
+        am_pick(bv, bi, ov, oi);
+    }
+    int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x / DS4_WARP); ++w) am_pick(bv, bi, sv[w], si[w]);
+        // all values -inf (or NaN): NumPy answers 0 for all -inf
+        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+    }
+}

@@ -1,0 +1,25 @@
+// Compressor window pooling: per-channel softmax over C candidates.
+// kv, score (R, C, D) -> (R, D). Candidates scored -inf weigh 0; all -inf gives 0.
+// Ratio 4 pools 8 candidates (the previous window's overlap lane plus the current
+// window), ratio 128 pools 128; both are this kernel with a different C.
+// One thread per (row, channel), candidates summed in order.
+#include "ds4_hip.h"
+
+extern "C" __global__ void ds4_pool_window(const float* __restrict__ kv, const float* __restrict__ score,
+                                           float* __restrict__ out, int R, int C, int D) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)R * D) return;
+    int r = (int)(idx / D), d = (int)(idx % D);
+    const float* sr = score + (long long)r * C * D + d;
+    const float* kr = kv + (long long)r * C * D + d;
+    float mx = -DS4_INF;
+    for (int c = 0; c < C; ++c) mx = fmaxf(mx, sr[(long long)c * D]);
+    if (!(mx > -DS4_INF && mx < DS4_INF)) mx = 0.0f;
+    float den = 0.0f, num = 0.0f;
+    for (int c = 0; c < C; ++c) {
+        float e = expf(sr[(long long)c * D] - mx);
+        den += e;
+        num += e * kr[(long long)c * D];
+    }
+    out[idx] = den > 0.0f ? num / den : 0.0f;
+}

@@ -1,0 +1,615 @@
+"""GPU twins of ds4ref/reference/ops.py: numpy in, numpy out.
+
+Each wrapper has the signature and semantics of its reference twin; uploads and
+downloads happen inside, so tests call both and compare. Outputs are poisoned
+(f32 NaN, int32 -1) before every launch, so an element a kernel forgot to write
+fails the comparison instead of passing as a stale zero.
+
+Device-level launchers (`launch_*`) take DeviceBuffers; the benchmark captures
+them into graphs. Weights: f32 / f16 arrays as they are; bf16 as raw uint16 with
+wtype="bf16"; Q8_0 as raw uint8 rows of K/32 blocks x 34 bytes with wtype="q8_0".
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .runtime import DeviceBuffer, Runtime, get_runtime
+
+I32, F32, F64 = np.int32, np.float32, np.float64
+NAN_BITS = 0x7FC00000
+MAX_LANES = 16
+# v2 (default): matvec with wide staging and batched loads, key-split attention.
+# v1: the first, simplest versions, kept as the known-good fallback.
+KERNELS = os.environ.get("DS4REF_KERNELS", "v2")
+WTYPES = ("f32", "f16", "bf16", "q8_0")
+_SOURCES = {
+    "norm": "norm.hip", "rope": "rope.hip", "quant": "quant.hip", "matvec": "matvec.hip",
+    "attention": "attention.hip", "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
+    "hc": "hc.hip",
+}
+
+
+class UnsupportedShapeError(ValueError):
+    """A kernel's shape limit was exceeded; the message names the limit."""
+
+
+def _rt(rt: Runtime | None) -> Runtime:
+    return rt if rt is not None else get_runtime()
+
+
+def kernel(rt: Runtime, family: str, name: str):
+    return rt.compile_file(_SOURCES[family]).kernel(name)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise UnsupportedShapeError(msg)
+
+
+def _f32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=F32)
+
+
+def poisoned(rt: Runtime, shape, dtype=F32) -> DeviceBuffer:
+    """A fresh output buffer filled with NaN (f32) or -1 (int32)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    buf = rt.malloc(max(n * 4, 4))
+    rt.memset32(buf, NAN_BITS if np.dtype(dtype) == F32 else 0xFFFFFFFF, max(n, 1))
+    return buf
+
+
+class _Scope:
+    """Frees every buffer made inside a wrapper call."""
+
+    def __init__(self, rt: Runtime):
+        self.rt, self.bufs = rt, []
+
+    def up(self, arr) -> DeviceBuffer:
+        b = self.rt.upload(arr)
+        self.bufs.append(b)
+        return b
+
+    def out(self, shape, dtype=F32) -> DeviceBuffer:
+        b = poisoned(self.rt, shape, dtype)
+        self.bufs.append(b)
+        return b
+
+    def get(self, buf, shape, dtype=F32) -> np.ndarray:
+        self.rt.synchronize()
+        return self.rt.download(buf, shape, dtype)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for b in self.bufs:
+            b.free()
+
+
+def _blocks(n: int, per: int) -> int:
+    return max(1, -(-int(n) // per))
+
+
+# ---------------------------------------------------------------------------
+# 16-bit and Q8_0 weight encodings (host side, for tests and the benchmark)
+# ---------------------------------------------------------------------------
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round f32 to bf16 (nearest, ties to even) as raw uint16."""
+    u = np.ascontiguousarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(F32)
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """(N, K) f32 -> (N, K/32*34) uint8 Q8_0 rows: f16 scale amax/127, then 32 int8."""
+    n, k = w.shape
+    if k % 32:
+        raise UnsupportedShapeError(f"Q8_0 needs K % 32 == 0, got K={k}")
+    blk = w.reshape(n, k // 32, 32).astype(F32)
+    d = (np.max(np.abs(blk), axis=-1) / 127.0).astype(np.float16)
+    dinv = np.where(d == 0, 0.0, 1.0 / np.where(d == 0, 1, d.astype(F32)))
+    q = np.clip(np.rint(blk * dinv[..., None]), -127, 127).astype(np.int8)
+    out = np.empty((n, k // 32, 34), dtype=np.uint8)
+    out[..., :2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(n, k // 32 * 34)
+
+
+def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    n = raw.shape[0]
+    blk = raw.reshape(n, -1, 34)
+    d = blk[..., :2].copy().view(np.float16).astype(F32)  # (n, nb, 1)
+    q = blk[..., 2:].view(np.int8).astype(F32)
+    return (d * q).reshape(n, -1)
+
+
+def dequantize(w: np.ndarray, wtype: str) -> np.ndarray:
+    """Host f32 copy of a weight in any supported encoding (the reference's W)."""
+    if wtype == "f32":
+        return np.asarray(w, F32)
+    if wtype == "f16":
+        return np.asarray(w, np.float16).astype(F32)
+    if wtype == "bf16":
+        return bf16_bits_to_f32(w)
+    if wtype == "q8_0":
+        return dequantize_q8_0(w)
+    raise UnsupportedShapeError(f"weight type {wtype!r} is not one of {WTYPES}")
+
+
+def _wtype_of(w: np.ndarray, wtype: str | None) -> str:
+    if wtype is not None:
+        if wtype not in WTYPES:
+            raise UnsupportedShapeError(f"weight type {wtype!r} is not one of {WTYPES}")
+        return wtype
+    if w.dtype == F32:
+        return "f32"
+    if w.dtype == np.float16:
+        return "f16"
+    raise UnsupportedShapeError(f"weight dtype {w.dtype} needs an explicit wtype ('bf16' for uint16 bits, "
+                                f"'q8_0' for uint8 blocks)")
+
+
+def weight_cols(w: np.ndarray, wtype: str) -> int:
+    return w.shape[-1] // 34 * 32 if wtype == "q8_0" else w.shape[-1]
+
+
+# ---------------------------------------------------------------------------
+# Norms, RoPE
+# ---------------------------------------------------------------------------
+
+
+def launch_rmsnorm(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer, rows: int, D: int, eps: float):
+    rt.launch(kernel(rt, "norm", "ds4_rmsnorm"), (rows,), (256,), (x, w, y, I32(D), F32(eps)))
+
+
+def rmsnorm(x, w, eps, rt=None):
+    rt = _rt(rt)
+    x = _f32(x)
+    D = x.shape[-1]
+    rows = x.size // D if D else 0
+    with _Scope(rt) as s:
+        y = s.out(x.shape)
+        launch_rmsnorm(rt, s.up(x), None if w is None else s.up(_f32(w)), y, rows, D, eps)
+        return s.get(y, x.shape)
+
+
+def rms0(x, eps, rt=None):
+    return rmsnorm(x, None, eps, rt)
+
+
+def rope(v, cos, sin, inverse=False, rt=None):
+    rt = _rt(rt)
+    v = _f32(v)
+    half = cos.shape[-1]
+    D = v.shape[-1]
+    _need(2 * half <= D, f"rope: {2 * half} rotated dims exceed the row length {D}")
+    tbl = v.shape[:-1] + (half,)
+    c = np.ascontiguousarray(np.broadcast_to(_f32(cos), tbl))
+    sn = np.ascontiguousarray(np.broadcast_to(_f32(sin), tbl))
+    R = v.size // D
+    with _Scope(rt) as s:
+        out = s.out(v.shape)
+        rt.launch(kernel(rt, "rope", "ds4_rope"), (_blocks(R * D, 256),), (256,),
+                  (s.up(v), s.up(c), s.up(sn), out, I32(R), I32(D), I32(half), I32(1 if inverse else 0)))
+        return s.get(out, v.shape)
+
+
+# ---------------------------------------------------------------------------
+# FP8 / FP4 numerics
+# ---------------------------------------------------------------------------
+
+
+def fp8sim(v, n_rot, rt=None):
+    rt = _rt(rt)
+    v = _f32(v)
+    D = v.shape[-1]
+    _need((D - n_rot) % 64 == 0, f"fp8sim: non-RoPE dims {D - n_rot} must be a multiple of 64")
+    R = v.size // D
+    with _Scope(rt) as s:
+        out = s.out(v.shape)
+        rt.launch(kernel(rt, "quant", "ds4_fp8sim"), (max(R, 1),), (256,), (s.up(v), out, I32(R), I32(D), I32(n_rot)))
+        return s.get(out, v.shape)
+
+
+def hadamard_rotate(v, h, rt=None):
+    """v @ h.T, summed in index order."""
+    rt = _rt(rt)
+    v, h = _f32(v), _f32(h)
+    n = v.shape[-1]
+    _need(h.shape == (n, n), f"hadamard_rotate: h is {h.shape}, expected ({n}, {n})")
+    R = v.size // n
+    with _Scope(rt) as s:
+        out = s.out(v.shape)
+        rt.launch(kernel(rt, "quant", "ds4_hadamard_rows"), (_blocks(R * n, 256),), (256,),
+                  (s.up(v), s.up(h), out, I32(R), I32(n)))
+        return s.get(out, v.shape)
+
+
+def e2m1_blocks(r, rt=None):
+    """FP4 E2M1 block quantisation (blocks of 32) of already rotated values."""
+    rt = _rt(rt)
+    r = _f32(r)
+    _need(r.shape[-1] % 32 == 0, f"e2m1_blocks: last dim {r.shape[-1]} must be a multiple of 32")
+    nb = r.size // 32
+    with _Scope(rt) as s:
+        out = s.out(r.shape)
+        rt.launch(kernel(rt, "quant", "ds4_e2m1_blocks"), (_blocks(nb, 8),), (256,), (s.up(r), out, np.int64(nb)))
+        return s.get(out, r.shape)
+
+
+def qat(v, h, rt=None):
+    return e2m1_blocks(hadamard_rotate(v, h, rt), rt)
+
+
+# ---------------------------------------------------------------------------
+# Batched matvec and the grouped output projection
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class DeviceWeight:
+    buf: DeviceBuffer
+    wtype: str
+    rows: int
+    cols: int
+
+    @classmethod
+    def upload(cls, rt: Runtime, w: np.ndarray, wtype: str | None = None) -> "DeviceWeight":
+        wt = _wtype_of(w, wtype)
+        k = weight_cols(w, wt)
+        _need(k % (32 if wt == "q8_0" else 8) == 0, f"matvec: K={k} must be a multiple of 8 (32 for Q8_0)")
+        return cls(rt.upload(np.ascontiguousarray(w)), wt, int(np.prod(w.shape[:-1])), k)
+
+
+def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int, *, groups: int = 1,
+                  ldx: int | None = None, xg: int = 0, ldy: int | None = None) -> None:
+    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L <= 16, N = rows / groups."""
+    _need(1 <= L <= MAX_LANES, f"matvec: {L} lanes, the kernel takes 1..{MAX_LANES}")
+    n = w.rows // groups
+    ldx = ldx if ldx is not None else w.cols
+    ldy = ldy if ldy is not None else w.rows
+    # v1 and v2 give bitwise-identical results (tests/gpu checks it), so this choice is
+    # free to depend on the shape and even the lane count. Measured on the H200
+    # (docs/perf_ops_gpu.md): v2 wins for matrices of <= 2048 rows, v1 above.
+    if KERNELS == "v1" or n * groups > MATVEC2_MAX_ROWS:
+        rt.launch(kernel(rt, "matvec", f"ds4_matvec_{w.wtype}"), (_blocks(n, 16), groups), (256,),
+                  (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy)))
+        return
+    rpw = matvec_rows_per_warp(rt, n * groups)
+    kc = max(256, (8192 // L) // 256 * 256)  # the staged chunk: 8192 floats over L lanes
+    rt.launch(kernel(rt, "matvec", f"ds4_matvec2_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups), (256,),
+              (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), I32(kc)))
+
+
+MATVEC2_MAX_ROWS = 2048
+
+
+def matvec_rows_per_warp(rt, rows: int) -> int:
+    """Rows per warp for the v2 kernel. The r2/r4 variants are tested but were slower on the
+    H200 (202 registers for r4: low occupancy), so only r1 is chosen; DS4REF_MATVEC_RPW
+    forces one for experiments."""
+    forced = os.environ.get("DS4REF_MATVEC_RPW")
+    if forced:
+        if forced not in ("1", "2", "4"):
+            raise UnsupportedShapeError(f"DS4REF_MATVEC_RPW={forced!r} is not 1, 2 or 4")
+        return int(forced)
+    return 1
+
+
+def matvec(w, x, wtype=None, rt=None):
+    """x (L, K) or (K,) -> x @ W.T, lanes in chunks of 16."""
+    rt = _rt(rt)
+    x = _f32(x)
+    squeeze = x.ndim == 1
+    x2 = x.reshape(-1, x.shape[-1])
+    dw = DeviceWeight.upload(rt, w, wtype)
+    try:
+        _need(x2.shape[1] == dw.cols, f"matvec: x has {x2.shape[1]} columns, W has {dw.cols}")
+        outs = []
+        for c0 in range(0, x2.shape[0], MAX_LANES):
+            xc = x2[c0:c0 + MAX_LANES]
+            with _Scope(rt) as s:
+                y = s.out((xc.shape[0], dw.rows))
+                launch_matvec(rt, dw, s.up(xc), y, xc.shape[0])
+                outs.append(s.get(y, (xc.shape[0], dw.rows)))
+    finally:
+        dw.buf.free()
+    y = np.concatenate(outs, axis=0) if outs else np.zeros((0, dw.rows), F32)
+    return y[0] if squeeze else y
+
+
+def grouped_output(o, wo_a, wo_b, groups, wtype_a=None, wtype_b=None, rt=None):
+    """o (N, H, D) -> (N, d), as reference grouped_output; both projections on the matvec kernel."""
+    rt = _rt(rt)
+    o = _f32(o)
+    n = o.shape[0]
+    og = o.reshape(n, -1)
+    kin = og.shape[1] // groups
+    da = DeviceWeight.upload(rt, wo_a, wtype_a)
+    db = DeviceWeight.upload(rt, wo_b, wtype_b)
+    try:
+        _need(da.cols == kin, f"grouped_output: wo_a has {da.cols} columns, each group has {kin} inputs")
+        _need(da.rows % groups == 0, f"grouped_output: wo_a rows {da.rows} not divisible by {groups} groups")
+        _need(db.cols == da.rows, f"grouped_output: wo_b has {db.cols} columns, expected {da.rows}")
+        outs = []
+        for c0 in range(0, n, MAX_LANES):
+            oc = og[c0:c0 + MAX_LANES]
+            L = oc.shape[0]
+            with _Scope(rt) as s:
+                z = s.out((L, da.rows))
+                y = s.out((L, db.rows))
+                launch_matvec(rt, da, s.up(oc), z, L, groups=groups, ldx=og.shape[1], xg=kin, ldy=da.rows)
+                launch_matvec(rt, db, z, y, L)
+                outs.append(s.get(y, (L, db.rows)))
+    finally:
+        da.buf.free()
+        db.buf.free()
+    return np.concatenate(outs, axis=0)
+
+
+# ---------------------------------------------------------------------------
+# Hyper-connections
+# ---------------------------------------------------------------------------
+
+HC_MAX = 8
+
+
+def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
+    rt = _rt(rt)
+    streams = _f32(streams)
+    n, hc, d = streams.shape
+    _need(hc <= HC_MAX, f"hc_pre: hc_mult {hc} exceeds the kernel limit {HC_MAX}")
+    mixn = 2 * hc + hc * hc
+    fw = DeviceWeight.upload(rt, _f32(fn))
+    _need(fw.rows == mixn and fw.cols == hc * d, f"hc_pre: fn is {fn.shape}, expected ({mixn}, {hc * d})")
+    try:
+        with _Scope(rt) as s:
+            sb = s.up(streams)
+            mix = s.out((n, mixn))
+            for c0 in range(0, n, MAX_LANES):  # the projection f @ fn.T, 16 rows at a time
+                L = min(MAX_LANES, n - c0)
+                launch_matvec(rt, fw, view(sb, c0 * hc * d * 4, L * hc * d * 4),
+                              view(mix, c0 * mixn * 4, L * mixn * 4), L)
+            u, post, comb = s.out((n, d)), s.out((n, hc)), s.out((n, hc, hc))
+            rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(n, 1),), (256,),
+                      (sb, mix, s.up(_f32(base)), s.up(_f32(scale)), I32(hc), I32(d), F32(rms_eps),
+                       F64(hc_eps), I32(iters), u, post, comb))
+            return s.get(u, (n, d)), s.get(post, (n, hc)), s.get(comb, (n, hc, hc))
+    finally:
+        fw.buf.free()
+
+
+def view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
+    """A non-owning DeviceBuffer at buf + offset: never free it, free `buf`."""
+    if offset + nbytes > buf.nbytes:
+        raise ValueError(f"view of {nbytes} B at {offset} exceeds {buf}")
+    return DeviceBuffer(buf.rt, buf.ptr + offset, nbytes)
+
+
+def hc_post(streams, y, post, comb, rt=None):
+    rt = _rt(rt)
+    streams = _f32(streams)
+    n, hc, d = streams.shape
+    with _Scope(rt) as s:
+        out = s.out((n, hc, d))
+        rt.launch(kernel(rt, "hc", "ds4_hc_post"), (_blocks(n * hc * d, 256),), (256,),
+                  (s.up(streams), s.up(_f32(y)), s.up(_f32(post)), s.up(_f32(comb)), out,
+                   I32(n), I32(hc), I32(d)))
+        return s.get(out, (n, hc, d))
+
+
+# ---------------------------------------------------------------------------
+# Attention with sinks
+# ---------------------------------------------------------------------------
+
+AT_DMAX = 512
+
+
+AT_SPLIT = 32  # keys per split (v2): fixed, so a lane's arithmetic never depends on the batch
+
+
+def attention_scratch(rt, L, H, D, total):
+    """Partial-result buffers for the v2 split attention: (m, den, acc), or None when not needed."""
+    nsplit = _blocks(total, AT_SPLIT) if total else 0
+    if KERNELS == "v1" or nsplit == 0:
+        return None
+    return (rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit * D))
+
+
+def launch_attention(rt, q, ring, ring_mask, Wc, comp, comp_mask, Cc, sinks, out, L, H, D, scratch=None):
+    _need(D % 32 == 0 and D <= AT_DMAX, f"attention: head_dim {D} must be a multiple of 32 and <= {AT_DMAX}")
+    scale = F32(1.0 / math.sqrt(D))
+    if KERNELS == "v1" or Wc + Cc == 0:
+        rt.launch(kernel(rt, "attention", "ds4_attention_sinks"), (_blocks(H, 8), L), (256,),
+                  (q, ring, ring_mask, I32(Wc), comp, comp_mask, I32(Cc), sinks, out, I32(H), I32(D), scale))
+        return
+    _need(scratch is not None, "attention v2 needs scratch buffers from attention_scratch()")
+    nsplit = _blocks(Wc + Cc, AT_SPLIT)
+    pm, pd, pa = scratch
+    rt.launch(kernel(rt, "attention", "ds4_attention_split"), (_blocks(H, 8), L, nsplit), (256,),
+              (q, ring, ring_mask, I32(Wc), comp, comp_mask, I32(Cc), I32(H), I32(D), scale, I32(AT_SPLIT),
+               pm, pd, pa))
+    rt.launch(kernel(rt, "attention", "ds4_attention_combine"), (H, L), (128,),
+              (pm, pd, pa, sinks, out, I32(H), I32(D), I32(nsplit)))
+
+
+def attention_ring_comp(q, ring, ring_mask, comp, comp_mask, sinks, rt=None):
+    """q (L, H, D); ring (L, W, D) + ring_mask (L, W); comp (L, C, D) + comp_mask (L, C); -> (L, H, D).
+
+    Same as the reference on keys = concat(ring, comp) and mask = concat(masks).
+    """
+    rt = _rt(rt)
+    q = _f32(q)
+    L, H, D = q.shape
+    ring, comp = _f32(ring).reshape(L, -1, D), _f32(comp).reshape(L, -1, D)
+    rm = np.ascontiguousarray(ring_mask, dtype=np.uint8).reshape(L, ring.shape[1])
+    cm = np.ascontiguousarray(comp_mask, dtype=np.uint8).reshape(L, comp.shape[1])
+    with _Scope(rt) as s:
+        out = s.out((L, H, D))
+        scratch = attention_scratch(rt, L, H, D, ring.shape[1] + comp.shape[1])
+        s.bufs.extend(scratch or ())
+        launch_attention(rt, s.up(q), s.up(ring), s.up(rm), ring.shape[1], s.up(comp), s.up(cm), comp.shape[1],
+                         s.up(_f32(sinks)), out, L, H, D, scratch)
+        return s.get(out, (L, H, D))
+
+
+def attention_with_sinks(q, keys, sinks, mask=None, rt=None):
+    """Twin of the reference: q (..., H, D), keys (..., N, D), mask (..., N) True = visible."""
+    q = _f32(q)
+    lead = q.shape[:-2]
+    H, D = q.shape[-2:]
+    keys = np.broadcast_to(_f32(keys), lead + keys.shape[-2:])
+    N = keys.shape[-2]
+    m = np.ones(lead + (N,), bool) if mask is None else np.broadcast_to(mask, lead + (N,))
+    L = int(np.prod(lead, dtype=np.int64))
+    outs = attention_ring_comp(q.reshape(L, H, D), keys.reshape(L, N, D), m.reshape(L, N),
+                               np.zeros((L, 0, D), F32), np.zeros((L, 0), bool), sinks, rt)
+    return outs.reshape(lead + (H, D))
+
+
+# ---------------------------------------------------------------------------
+# Compressor pooling, indexer, top-k
+# ---------------------------------------------------------------------------
+
+
+def pool_window(kv, score, rt=None):
+    rt = _rt(rt)
+    kv, score = _f32(kv), _f32(score)
+    _need(kv.shape == score.shape, f"pool_window: kv {kv.shape} and score {score.shape} differ")
+    C, D = kv.shape[-2:]
+    R = kv.size // (C * D) if C * D else 0
+    shape = kv.shape[:-2] + (D,)
+    with _Scope(rt) as s:
+        out = s.out(shape)
+        rt.launch(kernel(rt, "pool", "ds4_pool_window"), (_blocks(R * D, 256),), (256,),
+                  (s.up(kv), s.up(score), out, I32(R), I32(C), I32(D)))
+        return s.get(out, shape)
+
+
+IX_DMAX, IX_SMEM = 128, 8192
+
+
+def indexer_scores_batched(q, wts, keys, n_valid, rt=None):
+    """q (L, Hi, Di), wts (L, Hi), keys (L, ncap, Di), n_valid (L,) -> (L, ncap), -inf past n_valid."""
+    rt = _rt(rt)
+    q, wts, keys = _f32(q), _f32(wts), _f32(keys)
+    L, Hi, Di = q.shape
+    ncap = keys.shape[1]
+    _need(Di % 32 == 0 and Di <= IX_DMAX, f"indexer: head dim {Di} must be a multiple of 32 and <= {IX_DMAX}")
+    _need(Hi * Di <= IX_SMEM, f"indexer: {Hi} heads x {Di} dims exceed the staged limit {IX_SMEM}")
+    with _Scope(rt) as s:
+        out = s.out((L, ncap))
+        rt.launch(kernel(rt, "indexer", "ds4_indexer_scores"), (_blocks(ncap, 64), L), (256,),
+                  (s.up(q), s.up(wts), s.up(keys), s.up(np.asarray(n_valid, I32)), out, I32(Hi), I32(Di),
+                   I32(ncap)))
+        return s.get(out, (L, ncap))
+
+
+def indexer_scores(qi, wts, keys, rt=None):
+    n = keys.shape[0]
+    return indexer_scores_batched(qi[None], wts[None], keys[None], [n], rt)[0]
+
+
+def topk_batched(scores, n_valid, k, rt=None):
+    """(L, ncap) scores -> (L, k) int32 ascending indices; k >= n_valid gives 0..n-1 then -1."""
+    rt = _rt(rt)
+    scores = _f32(scores)
+    L, ncap = scores.shape
+    with _Scope(rt) as s:
+        out = s.out((L, k), I32)
+        rt.launch(kernel(rt, "indexer", "ds4_topk"), (max(L, 1),), (512,),
+                  (s.up(scores), s.up(np.asarray(n_valid, I32)), I32(ncap), I32(k), out))
+        return s.get(out, (L, k), I32)
+
+
+def topk_lower_index(scores, k, rt=None):
+    n = scores.shape[-1]
+    if k >= n:
+        return np.arange(n)
+    return topk_batched(scores[None], [n], k, rt)[0].astype(np.int64)
+
+
+# ---------------------------------------------------------------------------
+# MoE: router, SwiGLU, argmax
+# ---------------------------------------------------------------------------
+
+RT_MAXE, RT_MAXK = 1024, 32
+
+
+def route_batched(logits, n_used, bias, hash_ids, scale, normalise, rt=None):
+    """logits (L, E) -> ids (L, k) int32 ascending, weights (L, k)."""
+    rt = _rt(rt)
+    logits = _f32(logits)
+    L, E = logits.shape
+    k = n_used if hash_ids is None else np.asarray(hash_ids).shape[-1]
+    _need(E <= RT_MAXE and k <= RT_MAXK, f"route: {E} experts / {k} used exceed {RT_MAXE} / {RT_MAXK}")
+    with _Scope(rt) as s:
+        ids, w = s.out((L, k), I32), s.out((L, k))
+        hb = None if hash_ids is None else s.up(np.asarray(hash_ids, I32).reshape(L, k))
+        bb = None if bias is None else s.up(_f32(bias))
+        rt.launch(kernel(rt, "moe", "ds4_route"), (max(L, 1),), (256,),
+                  (s.up(logits), bb, hb, I32(E), I32(k), F32(scale), I32(1 if normalise else 0), ids, w))
+        return s.get(ids, (L, k), I32), s.get(w, (L, k))
+
+
+def route(logits, n_used, bias, hash_ids, scale, normalise, rt=None):
+    hb = None if hash_ids is None else np.asarray(hash_ids)[None]
+    ids, w = route_batched(_f32(logits)[None], n_used, bias, hb, scale, normalise, rt)
+    return ids[0].astype(np.int64), w[0]
+
+
+def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
+    """Clamped SwiGLU expert for x (K,) or (L, K): three matvecs and one activation kernel."""
+    rt = _rt(rt)
+    x = _f32(x)
+    squeeze = x.ndim == 1
+    x2 = x.reshape(-1, x.shape[-1])
+    ws = [DeviceWeight.upload(rt, w, wtype) for w in (w1, w3, w2)]
+    try:
+        F = ws[0].rows
+        outs = []
+        for c0 in range(0, x2.shape[0], MAX_LANES):
+            xc = x2[c0:c0 + MAX_LANES]
+            L = xc.shape[0]
+            with _Scope(rt) as s:
+                xb = s.up(xc)
+                g, u, h, y = s.out((L, F)), s.out((L, F)), s.out((L, F)), s.out((L, ws[2].rows))
+                launch_matvec(rt, ws[0], xb, g, L)
+                launch_matvec(rt, ws[1], xb, u, L)
+                rt.launch(kernel(rt, "moe", "ds4_swiglu_act"), (_blocks(L * F, 256),), (256,),
+                          (g, u, h, np.int64(L * F), F32(clamp)))
+                launch_matvec(rt, ws[2], h, y, L)
+                outs.append(s.get(y, (L, ws[2].rows)))
+    finally:
+        for w in ws:
+            w.buf.free()
+    y = np.concatenate(outs, axis=0)
+    return y[0] if squeeze else y
+
+
+def launch_argmax(rt, x: DeviceBuffer, out: DeviceBuffer, L: int, V: int) -> None:
+    rt.launch(kernel(rt, "moe", "ds4_argmax"), (max(L, 1),), (1024,), (x, I32(V), out))
+
+
+def argmax(logits, rt=None):
+    """(L, V) -> (L,) int32, lower index wins ties."""
+    rt = _rt(rt)
+    x = _f32(logits)
+    squeeze = x.ndim == 1
+    x2 = x.reshape(-1, x.shape[-1])
+    L, V = x2.shape
+    with _Scope(rt) as s:
+        out = s.out((L,), I32)
+        launch_argmax(rt, s.up(x2), out, L, V)
+        r = s.get(out, (L,), I32)
+    return r[0] if squeeze else r

@@ -1,0 +1,32 @@
+"""GPU op tests: marker `gpu`, skipped with the reason when no GPU runtime opens."""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(scope="session")
+def rt():
+    from ds4ref.hip.runtime import NoGpuError, get_runtime
+    try:
+        return get_runtime()
+    except NoGpuError as e:
+        pytest.skip(f"no GPU: {e}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Write each test's largest norm-wise error where DS4REF_GPU_ERRLOG points."""
+    import os
+    import sys
+    path = os.environ.get("DS4REF_GPU_ERRLOG")
+    mod = next((m for n, m in sys.modules.items() if n.endswith("test_ops_gpu")), None)
+    if not path or mod is None:
+        return
+    with open(path, "w") as f:
+        for name, err in sorted(mod.MAX_ERRORS.items()):
+            f.write(f"{name}\t{err:.3e}\n")

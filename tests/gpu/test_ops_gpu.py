@@ -1,0 +1,348 @@
+"""Every GPU kernel against its twin in ds4ref/reference/ops.py.
+
+Tolerances:
+* f32 paths: norm-wise relative error ||gpu - ref|| / ||ref|| <= 1e-5, the reference run
+  in float64 on the same (dequantised) inputs. Norm-wise because elementwise relative
+  error is meaningless where outputs cancel to near zero, while a sum of K f32 terms
+  carries ~sqrt(K) * 2^-24 relative to the output's scale; 1e-5 leaves room for K = 16384
+  and still catches any wrong index, dropped term or wrong order of operations.
+* bf16/f16/Q8_0 weights: the same 1e-5 against the float64 reference on the dequantised
+  weights (dequantising is exact, so only f32 accumulation differs); against an f32
+  original the bf16 rounding itself is ~4e-3, inside the 2e-2 budget.
+* exact: top-k indices (ties included: both sides get identical f32 scores), argmax,
+  router ids where the selection scores are separated by more than 1e-4.
+* bitwise: FP8/FP4 rounding of identical f32 inputs, RoPE (products rounded separately).
+Outputs are poisoned with NaN / -1 inside ds4ref.hip.ops, so unwritten elements fail.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ds4ref.hip import ops as g
+from ds4ref.reference import ops as ref
+
+pytestmark = pytest.mark.gpu
+F32, F64 = np.float32, np.float64
+SETTINGS = settings(max_examples=int(os.environ.get("DS4REF_GPU_EXAMPLES", "12")), deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def rel(gpu, want) -> float:
+    gpu, want = np.asarray(gpu, F64), np.asarray(want, F64)
+    assert gpu.shape == want.shape, (gpu.shape, want.shape)
+    assert np.all(np.isfinite(gpu) == np.isfinite(want)), "NaN/inf pattern differs (unwritten output?)"
+    fin = np.isfinite(want)
+    den = np.linalg.norm(want[fin])
+    err = float(np.linalg.norm(gpu[fin] - want[fin]) / (den if den > 0 else 1.0))
+    record(err)
+    return err
+
+
+MAX_ERRORS: dict[str, float] = {}  # test name -> largest norm-wise error seen (written by conftest)
+
+
+def record(err: float) -> None:
+    name = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0].split("[")[0]
+    MAX_ERRORS[name] = max(MAX_ERRORS.get(name, 0.0), err)
+
+
+def rnd(seed, *shape, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(F32)
+
+
+seeds = st.integers(0, 2**31 - 1)
+lanes = st.integers(1, 16)
+
+
+# ---- norms, RoPE -------------------------------------------------------------
+
+@SETTINGS
+@given(seed=seeds, rows=lanes, D=st.sampled_from([64, 100, 512, 4096]), weighted=st.booleans())
+def test_rmsnorm(rt, seed, rows, D, weighted):
+    x = rnd(seed, rows, D, scale=3.0)
+    w = rnd(seed + 1, D) if weighted else None
+    got = g.rmsnorm(x, w, 1e-6, rt=rt)
+    want = ref.rmsnorm(x.astype(F64), w.astype(F64), 1e-6) if weighted else ref.rms0(x.astype(F64), 1e-6)
+    assert rel(got, want) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, rows=lanes, heads=st.integers(1, 4), nope=st.sampled_from([0, 64, 448]),
+       n_rot=st.sampled_from([16, 64]), inverse=st.booleans())
+def test_rope_bitwise(rt, seed, rows, heads, nope, n_rot, inverse):
+    v = rnd(seed, rows, heads, nope + n_rot)
+    pos = np.random.default_rng(seed).integers(0, 1 << 20, rows)
+    cos, sin = ref.rope_cos_sin(ref.rope_omega(n_rot, 10000.0, (16.0, 65536, 32.0, 1.0)), pos, F32)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # one position per row, shared by its heads
+    got = g.rope(v, cos, sin, inverse, rt=rt)
+    want = ref.rope(v, cos, sin, inverse)
+    assert np.array_equal(got, want)
+
+
+# ---- FP8 / FP4 ---------------------------------------------------------------
+
+@SETTINGS
+@given(seed=seeds, rows=lanes, nblk=st.integers(1, 7), n_rot=st.sampled_from([0, 64]),
+       scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0, 400.0]))
+def test_fp8sim_bitwise(rt, seed, rows, nblk, n_rot, scale):
+    v = rnd(seed, rows, 64 * nblk + n_rot, scale=scale)
+    assert np.array_equal(g.fp8sim(v, n_rot, rt=rt), ref.fp8sim(v, n_rot))
+
+
+@SETTINGS
+@given(seed=seeds, rows=lanes, scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]))
+def test_e2m1_blocks_bitwise(rt, seed, rows, scale):
+    r = rnd(seed, rows, 128, scale=scale)
+    want = ref._block_quant(r, 32, 6.0, 7.052966104933725e-38, ref.e2m1_round)
+    assert np.array_equal(g.e2m1_blocks(r, rt=rt), want)
+
+
+@SETTINGS
+@given(seed=seeds, rows=lanes, n=st.sampled_from([32, 64, 128]))
+def test_qat(rt, seed, rows, n):
+    v = rnd(seed, rows, n)
+    h = ref.hadamard(n, F32)
+    rot = g.hadamard_rotate(v, h, rt=rt)
+    assert rel(rot, v.astype(F64) @ h.astype(F64).T) <= 1e-5
+    # the rounding stage is bitwise given the same rotated values
+    want = ref._block_quant(rot, 32, 6.0, 7.052966104933725e-38, ref.e2m1_round)
+    assert np.array_equal(g.qat(v, h, rt=rt), want)
+
+
+# ---- matvec, grouped output --------------------------------------------------
+
+def make_weight(seed, n, k, wtype):
+    w = rnd(seed, n, k, scale=1.0 / math.sqrt(k))
+    if wtype == "f32":
+        return w, w
+    if wtype == "f16":
+        w16 = w.astype(np.float16)
+        return w16, w16.astype(F32)
+    if wtype == "bf16":
+        b = g.f32_to_bf16_bits(w)
+        return b, g.bf16_bits_to_f32(b)
+    raw = g.quantize_q8_0(w)
+    return raw, g.dequantize_q8_0(raw)
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, n=st.integers(1, 300), kb=st.integers(1, 80),
+       wtype=st.sampled_from(["f32", "f16", "bf16", "q8_0"]))
+def test_matvec(rt, seed, L, n, kb, wtype):
+    k = 32 * kb  # chunk tails: K need not be a multiple of the 512-column chunk
+    w, wf = make_weight(seed, n, k, wtype)
+    x = rnd(seed + 1, L, k)
+    got = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert rel(got, x.astype(F64) @ wf.astype(F64).T) <= 1e-5
+
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0"])
+def test_matvec_batch_invariance(rt, wtype):
+    w, _ = make_weight(7, 1024, 4096, wtype)
+    x = rnd(8, 16, 4096)
+    alone = g.matvec(w, x[:1], wtype=wtype, rt=rt)
+    among = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert np.array_equal(alone[0], among[0])
+    for l in (5, 15):  # any lane, alone or among 16
+        assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], among[l])
+
+
+@SETTINGS
+@given(seed=seeds, N=lanes, groups=st.sampled_from([1, 2, 4]), hpg=st.integers(1, 3),
+       D=st.sampled_from([32, 64]), rank=st.integers(1, 40), wtype=st.sampled_from(["f32", "bf16"]))
+def test_grouped_output(rt, seed, N, groups, hpg, D, rank, wtype):
+    H, d = groups * hpg, 64
+    o = rnd(seed, N, H, D)
+    wa, waf = make_weight(seed + 1, groups * rank, hpg * D, wtype)
+    wb, wbf = make_weight(seed + 2, d, groups * rank, "f32" if (groups * rank) % 8 else wtype)
+    wtb = "f32" if (groups * rank) % 8 else wtype
+    if (groups * rank) % 8:
+        assume(False)  # wo_b's K must be a multiple of 8
+    got = g.grouped_output(o, wa, wb, groups, wtype_a=wtype, wtype_b=wtb, rt=rt)
+    want = ref.grouped_output(o.astype(F64), waf.astype(F64), wbf.astype(F64), groups)
+    assert rel(got, want) <= 1e-5
+
+
+# ---- hyper-connections -------------------------------------------------------
+
+@SETTINGS
+@given(seed=seeds, N=lanes, hc=st.sampled_from([1, 2, 4]), d=st.sampled_from([64, 256]),
+       iters=st.integers(1, 20))
+def test_hc_pre(rt, seed, N, hc, d, iters):
+    mix = 2 * hc + hc * hc
+    s = rnd(seed, N, hc, d)
+    fn = rnd(seed + 1, mix, hc * d, scale=0.05)
+    base, scale = rnd(seed + 2, mix, scale=0.5), np.abs(rnd(seed + 3, 3)) + 0.5
+    u, post, comb = g.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters, rt=rt)
+    wu, wpost, wcomb = ref.hc_pre(s.astype(F64), fn.astype(F64), base.astype(F64), scale.astype(F64),
+                                  1e-6, 1e-6, iters)
+    assert rel(u, wu) <= 1e-5 and rel(post, wpost) <= 1e-5 and rel(comb, wcomb) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, N=lanes, hc=st.sampled_from([1, 2, 4]), d=st.sampled_from([64, 4096]))
+def test_hc_post(rt, seed, N, hc, d):
+    s, y = rnd(seed, N, hc, d), rnd(seed + 1, N, d)
+    post, comb = rnd(seed + 2, N, hc), np.abs(rnd(seed + 3, N, hc, hc))
+    got = g.hc_post(s, y, post, comb, rt=rt)
+    assert rel(got, ref.hc_post(*(a.astype(F64) for a in (s, y, post, comb)))) <= 1e-5
+
+
+# ---- attention ---------------------------------------------------------------
+
+@SETTINGS
+@given(seed=seeds, L=lanes, H=st.integers(1, 20), D=st.sampled_from([32, 128, 512]),
+       N=st.integers(0, 40), p_vis=st.sampled_from([0.0, 0.5, 1.0]))
+def test_attention_with_sinks(rt, seed, L, H, D, N, p_vis):
+    rng = np.random.default_rng(seed)
+    q, keys = rnd(seed, L, H, D), rnd(seed + 1, L, N, D)
+    sinks = rnd(seed + 2, H)
+    mask = rng.random((L, N)) < p_vis
+    got = g.attention_with_sinks(q, keys, sinks, mask, rt=rt)
+    want = ref.attention_with_sinks(q.astype(F64), keys.astype(F64), sinks.astype(F64), mask)
+    assert rel(got, want) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, window=st.integers(1, 16), cap=st.integers(0, 24), data=st.data())
+def test_attention_ring_plus_compressed(rt, seed, L, window, cap, data):
+    """Capacity-padded ring (fill varies per lane) plus gathered compressed rows with
+    a per-lane visible length; padding rows hold garbage that must be ignored."""
+    H, D = 8, 512
+    rng = np.random.default_rng(seed)
+    q = rnd(seed, L, H, D, scale=0.2)
+    ring, comp = rnd(seed + 1, L, window, D), rnd(seed + 2, L, cap, D)
+    fill = np.array([data.draw(st.integers(0, window)) for _ in range(L)])
+    vis_c = np.array([data.draw(st.integers(0, cap)) for _ in range(L)])
+    rmask = np.arange(window)[None, :] < fill[:, None]
+    cmask = np.arange(cap)[None, :] < vis_c[:, None]
+    ring[~rmask] = 1e30  # garbage in unused slots
+    comp[~cmask] = -1e30
+    sinks = rnd(seed + 3, H)
+    got = g.attention_ring_comp(q, ring, rmask, comp, cmask, sinks, rt=rt)
+    keys = np.concatenate([ring, comp], axis=1).astype(F64)
+    mask = np.concatenate([rmask, cmask], axis=1)
+    want = ref.attention_with_sinks(q.astype(F64), np.where(mask[..., None], keys, 0.0), sinks.astype(F64), mask)
+    assert rel(got, want) <= 1e-5
+
+
+# ---- compressor pooling, indexer, top-k --------------------------------------
+
+@SETTINGS
+@given(seed=seeds, R=lanes, C=st.sampled_from([8, 128]), D=st.sampled_from([64, 512]),
+       p_inf=st.sampled_from([0.0, 0.3, 1.0]))
+def test_pool_window(rt, seed, R, C, D, p_inf):
+    """C = 8: ratio 4 with the previous window's overlap lane; C = 128: ratio 128."""
+    rng = np.random.default_rng(seed)
+    kv, score = rnd(seed, R, C, D), rnd(seed + 1, R, C, D, scale=3.0)
+    score[rng.random((R, C, D)) < p_inf] = -np.inf
+    got = g.pool_window(kv, score, rt=rt)
+    assert rel(got, ref.pool_window(kv.astype(F64), score.astype(F64))) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, n=st.integers(1, 600), Hi=st.sampled_from([1, 8, 64]), Di=st.sampled_from([32, 128]))
+def test_indexer_scores(rt, seed, n, Hi, Di):
+    q, keys, w = rnd(seed, Hi, Di), rnd(seed + 1, n, Di), rnd(seed + 2, Hi)
+    got = g.indexer_scores(q, w, keys, rt=rt)
+    assert rel(got, ref.indexer_scores(q.astype(F64), w.astype(F64), keys.astype(F64))) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, ncap=st.integers(1, 3000), k=st.sampled_from([1, 7, 64, 512]),
+       n_levels=st.sampled_from([3, 50, 0]), data=st.data())
+def test_topk_exact_with_ties(rt, seed, L, ncap, k, n_levels, data):
+    """n_levels > 0 draws scores from few distinct values: many exact ties."""
+    rng = np.random.default_rng(seed)
+    if n_levels:
+        scores = rng.integers(0, n_levels, (L, ncap)).astype(F32) * F32(0.25) - F32(3.0)
+    else:
+        scores = rng.standard_normal((L, ncap)).astype(F32)
+    scores[rng.random((L, ncap)) < 0.05] = -np.inf
+    nvalid = np.array([data.draw(st.integers(0, ncap)) for _ in range(L)], np.int32)
+    got = g.topk_batched(scores, nvalid, k, rt=rt)
+    for l in range(L):
+        want = ref.topk_lower_index(scores[l, :nvalid[l]], k)
+        pad = np.full(k - len(want), -1)
+        assert np.array_equal(got[l], np.concatenate([want, pad])), l
+
+
+@SETTINGS
+@given(seed=seeds, E=st.sampled_from([16, 64, 256]), k=st.sampled_from([1, 6, 8]),
+       use_bias=st.booleans(), use_hash=st.booleans(), normalise=st.booleans())
+def test_route(rt, seed, E, k, use_bias, use_hash, normalise):
+    rng = np.random.default_rng(seed)
+    logits = rnd(seed, E, scale=2.0)
+    bias = rnd(seed + 1, E, scale=0.1) if use_bias else np.zeros(E, F32)
+    hash_ids = rng.choice(E, k, replace=False) if use_hash else None
+    sel = np.sort(np.sqrt(ref.softplus(logits.astype(F64))) + bias)[::-1]
+    assume(use_hash or sel[k - 1] - sel[k] > 1e-4)  # ids exact where separated
+    ids, w = g.route(logits, k, bias, hash_ids, 1.5, normalise, rt=rt)
+    wids, ww = ref.route(logits.astype(F64), k, bias.astype(F64), hash_ids, 1.5, normalise)
+    assert np.array_equal(ids, wids)
+    assert rel(w, ww) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, ff=st.sampled_from([32, 256]), d=st.sampled_from([64, 512]),
+       clamp=st.sampled_from([0.5, 7.0]), wtype=st.sampled_from(["f32", "bf16", "q8_0"]))
+def test_swiglu(rt, seed, L, ff, d, clamp, wtype):
+    x = rnd(seed, L, d, scale=2.0)
+    (w1, w1f), (w3, w3f), (w2, w2f) = (make_weight(seed + i, *s, wtype) for i, s in
+                                        ((1, (ff, d)), (2, (ff, d)), (3, (d, ff))))
+    got = g.swiglu(x, w1, w3, w2, clamp, wtype=wtype, rt=rt)
+    want = np.stack([ref.swiglu(xi.astype(F64), w1f.astype(F64), w3f.astype(F64), w2f.astype(F64), clamp)
+                     for xi in x])
+    assert rel(got, want) <= 1e-5
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, V=st.integers(1, 140000), dup=st.booleans())
+def test_argmax_lower_index(rt, seed, L, V, dup):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((L, V)).astype(F32)
+    if dup and V > 1:  # copy each row's max to a few later (and earlier) places: lower index must win
+        for l in range(L):
+            m = x[l].max()
+            x[l, rng.integers(0, V, 3)] = m
+    assert np.array_equal(g.argmax(x, rt=rt), np.argmax(x, axis=1).astype(np.int32))
+
+
+# ---- v2 kernels against the v1 ones, batch invariance of attention -----------
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("n,k,L", [(300, 4096 + 96, 1), (1000, 1024, 16), (5000, 256, 3), (9000, 512, 7)])
+def test_matvec_v2_bitwise_equals_v1(rt, monkeypatch, wtype, n, k, L):
+    """Same per-row arithmetic in both versions, for rows per warp 1, 2 and 4."""
+    w, _ = make_weight(n + k, n, k, wtype)
+    x = rnd(L, L, k)
+    monkeypatch.setattr(g, "KERNELS", "v1")
+    y1 = g.matvec(w, x, wtype=wtype, rt=rt)
+    monkeypatch.setattr(g, "KERNELS", "v2")
+    monkeypatch.setattr(g, "MATVEC2_MAX_ROWS", 1 << 30)  # force v2 for every shape here
+    for rpw in ("1", "2", "4"):
+        monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
+        y2 = g.matvec(w, x, wtype=wtype, rt=rt)
+        assert np.array_equal(y1, y2), rpw
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_attention_batch_invariance(rt, monkeypatch, version):
+    monkeypatch.setattr(g, "KERNELS", version)
+    L, H, D, W, C = 16, 64, 512, 128, 200
+    rng = np.random.default_rng(3)
+    q, ring, comp = rnd(1, L, H, D, scale=0.2), rnd(2, L, W, D), rnd(3, L, C, D)
+    rm, cm = rng.random((L, W)) < 0.8, rng.random((L, C)) < 0.5
+    sinks = rnd(4, H)
+    among = g.attention_ring_comp(q, ring, rm, comp, cm, sinks, rt=rt)
+    for l in (0, 9):
+        alone = g.attention_ring_comp(q[l:l + 1], ring[l:l + 1], rm[l:l + 1], comp[l:l + 1], cm[l:l + 1], sinks, rt=rt)
+        assert np.array_equal(alone[0], among[l])
+    want = ref.attention_with_sinks(q.astype(F64), np.concatenate([ring, comp], 1).astype(F64), sinks.astype(F64),
+                                    np.concatenate([rm, cm], 1))
+    assert rel(among, want) <= 1e-5
