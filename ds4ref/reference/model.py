@@ -67,7 +67,7 @@ class Model:
         return np.stack([self.step(st, t, p) for p, t in enumerate(ids)])
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
-        """Greedy continuation (lower id wins ties); returns only the new tokens."""
+        """Greedy continuation (lower id wins ties); returns only the new tokens, without the stop token."""
         ids = check_tokens(self.config, token_ids)
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -79,10 +79,10 @@ class Model:
         tok, pos = int(ids[-1]), len(ids) - 1
         while len(out) < max_new_tokens:
             tok = int(np.argmax(self.step(st, tok, pos)))
+            if tok in stop_ids:  # like the engine and OpenAI's API: the stop token is not returned
+                break
             out.append(tok)
             pos += 1
-            if tok in stop_ids:
-                break
         return out
 
     def _check_length(self, n: int) -> None:

@@ -1,0 +1,94 @@
+"""HashBackend: a strict stand-in for a model, for testing the scheduler and server.
+
+A row's logits are a pseudo-random vector seeded by the whole token history of
+its sequence (positions 0..p), so they depend on nothing else: not the slot,
+not the batch, not how prompt rows were grouped into passes. The history is
+written into, and read back out of, physical pages through the block table,
+so a page mapped late, shared between slots or left over from a previous
+occupant changes the answer (or trips an assertion) instead of going unseen.
+
+It also enforces the protocol: rows of a slot at consecutive positions that
+continue the slot's history, tables that only grow and never share a page.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+
+
+class ProtocolError(AssertionError):
+    """The engine broke the backend protocol."""
+
+
+class HashBackend:
+    name = "hash"
+    max_rows = MAX_ROWS
+
+    def __init__(self, vocab_size: int = 32):
+        self.vocab_size = vocab_size
+        self.passes: list[StepPlan] = []  # every plan seen, for tests to inspect
+
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+        self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
+        self.memory = np.full((n_pages, page_tokens), -1, np.int64)  # token id per (page, offset)
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.length = [0] * n_slots  # positions written per slot
+
+    def reset_slot(self, slot: int) -> None:
+        self.tables[slot] = []
+        self.length[slot] = 0
+
+    def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
+        pages = [int(p) for p in pages]
+        old = self.tables[slot]
+        if pages[:len(old)] != old:
+            raise ProtocolError(f"slot {slot}: table {old} was rewritten as {pages}")
+        for other, t in enumerate(self.tables):
+            if other != slot and set(t) & set(pages):
+                raise ProtocolError(f"slot {slot} maps pages {sorted(set(t) & set(pages))} of slot {other}")
+        if not all(0 <= p < self.n_pages for p in pages):
+            raise ProtocolError(f"slot {slot}: page out of range in {pages}")
+        self.tables[slot] = pages
+
+    def history(self, slot: int) -> np.ndarray:
+        pos = np.arange(self.length[slot])
+        pages = np.asarray(self.tables[slot], np.int64)[pos // self.page_tokens]
+        return self.memory[pages, pos % self.page_tokens]
+
+    def logits_for(self, history: np.ndarray) -> np.ndarray:
+        seed = zlib.crc32(np.asarray(history, np.int64).tobytes())
+        return np.random.default_rng(seed).standard_normal(self.vocab_size).astype(np.float32)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.passes.append(plan)
+        logits, argmax = [], []
+        for r in plan.rows():
+            self._write(r.slot, r.position, r.token)
+            lg = self.logits_for(self.history(r.slot))
+            logits.append(lg if r.want_logits else None)
+            argmax.append(int(np.argmax(lg)) if r.emit else -1)
+        return StepResult(logits, np.asarray(argmax, np.int32))
+
+    def _write(self, slot: int, position: int, token: int) -> None:
+        if position != self.length[slot]:
+            raise ProtocolError(f"slot {slot}: row at position {position}, history has {self.length[slot]}")
+        logical = position // self.page_tokens
+        if logical >= len(self.tables[slot]):
+            raise ProtocolError(f"slot {slot}: position {position} needs logical page {logical}, "
+                                f"table has {len(self.tables[slot])}")
+        self.memory[self.tables[slot][logical], position % self.page_tokens] = token
+        self.length[slot] += 1
+
+
+def reference_tokens(prompt: Sequence[int], n: int, vocab_size: int = 32) -> list[int]:
+    """Greedy continuation straight from the hash, with no engine at all: the ground truth."""
+    b = HashBackend(vocab_size)
+    hist, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(b.logits_for(np.asarray(hist)))))
+        hist.append(out[-1])
+    return out

@@ -1,0 +1,226 @@
+"""Scheduler: the policy over a SeqEngine.
+
+One call to step() is one gathered pass:
+
+  1. apply cancellations (free the slot and its pages, report "cancelled");
+  2. admit waiting requests strictly FIFO until the first that does not fit;
+  3. plan rows: one row for every decoding slot that can get its next page,
+     oldest first, then the free rows dealt to prompts, oldest first from a
+     start that rotates every pass, at most `prompt_quantum` rows each;
+  4. run the pass, check every planned slot got exactly one outcome;
+  5. turn tokens into events and finish sequences on EOS / stop ids / length.
+
+prompt_quantum=1 is upstream's exact mode (one prompt token per prompt per
+pass); a larger quantum gives a prompt more of the free rows. Both give the
+same tokens: the backend makes several rows of one slot in one pass exactly
+equal to one row per pass.
+
+submit() and cancel() may be called from another thread at any time; they
+only touch the waiting queue and the cancel set, under a lock, and step()
+picks their effect up at its next pass.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Optional
+
+from .request import Event, FinishEvent, Refused, Request, TokenEvent
+from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_queue; try again later (HTTP 503/429)."""
+
+
+class CohortFailed(RuntimeError):
+    """A pass failed. Its requests were finished with reason "error"; `events`
+    holds every event of the failed step (those FinishEvents included) so the
+    caller can still deliver them."""
+
+    def __init__(self, message: str, events: list[Event]):
+        super().__init__(message)
+        self.events = events
+
+
+class Scheduler:
+    def __init__(self, engine: SeqEngine, max_queue: Optional[int] = None, prompt_quantum: int = 1):
+        """max_queue: requests that may wait beyond those the free slots will take at the
+        next pass (None = unbounded). prompt_quantum: most prompt rows one sequence gets
+        per pass (1 = upstream's exact mode)."""
+        if prompt_quantum < 1:
+            raise ValueError(f"prompt_quantum must be >= 1, got {prompt_quantum}")
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0 or None, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.prompt_quantum = prompt_quantum
+        self._lock = threading.Lock()       # guards _waiting, _cancel, _running
+        self._step_lock = threading.Lock()  # one pass at a time
+        self._waiting: deque[Request] = deque()
+        self._cancel: set[int] = set()
+        self._running: dict[int, int] = {}  # req_id -> slot
+        self._rotation = 0
+        self._tokens_generated = 0
+        self._steps = 0
+
+    # ---- client side (any thread) ---------------------------------------------------
+    def submit(self, request: Request) -> int:
+        reason = self.engine.refusal(request)
+        if reason:
+            raise Refused(f"request {request.req_id} refused: {reason}")
+        with self._lock:
+            if request.req_id in self._running or any(r.req_id == request.req_id for r in self._waiting):
+                raise ValueError(f"request id {request.req_id} is already submitted")
+            # Free slots will take the head of the queue at the next pass, so they
+            # do not count against max_queue.
+            free_slots = self.engine.max_concurrency - len(self._running)
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue + free_slots:
+                raise QueueFull(f"{len(self._waiting)} requests already waiting "
+                                f"(max_queue={self.max_queue}, {free_slots} free slots)")
+            self._waiting.append(request)
+        return request.req_id
+
+    def cancel(self, req_id: int) -> bool:
+        """Ask for req_id to stop; False if it is not waiting or running."""
+        with self._lock:
+            known = req_id in self._running or any(r.req_id == req_id for r in self._waiting)
+            if known:
+                self._cancel.add(req_id)
+            return known
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._cancel)
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = {"running": len(self._running), "waiting": len(self._waiting),
+                 "tokens_generated": self._tokens_generated, "steps": self._steps}
+        s.update(self.engine.stats())
+        return s
+
+    # ---- one pass -----------------------------------------------------------------
+    def step(self) -> list[Event]:
+        with self._step_lock:
+            with self._lock:
+                events = self._apply_cancels() + self._admit()
+            work = self._plan()
+            if not work:
+                return events + self._break_stall()
+            try:
+                outcomes = self.engine.step(work)
+                self._check(work, outcomes)
+            except Exception as e:
+                events += self._fail(work, e)
+                raise CohortFailed(f"pass {self._steps} failed: {type(e).__name__}: {e}", events) from e
+            self._steps += 1
+            with self._lock:
+                return events + self._apply(outcomes)
+
+    def _apply_cancels(self) -> list[Event]:
+        events: list[Event] = []
+        for r in [r for r in self._waiting if r.req_id in self._cancel]:
+            self._waiting.remove(r)
+            events.append(FinishEvent(r.req_id, "cancelled", len(r.prompt_ids), 0))
+        for req_id in [i for i in self._running if i in self._cancel]:
+            events.append(self._finish(self.engine.seqs[self._running[req_id]], "cancelled"))
+        self._cancel.clear()
+        return events
+
+    def _admit(self) -> list[Event]:
+        events: list[Event] = []
+        while self._waiting:
+            r = self._waiting[0]
+            a = self.engine.admit(r)
+            if a.status == "busy":
+                break  # strict FIFO: nobody overtakes the head of the queue
+            self._waiting.popleft()
+            if a.status == "admitted":
+                self._running[r.req_id] = a.slot
+            else:  # fixed sizes checked at submit, so only a changed engine gets here
+                events.append(FinishEvent(r.req_id, "error", len(r.prompt_ids), 0, a.reason))
+        return events
+
+    def _plan(self) -> list[Work]:
+        live = self.engine.live()
+        budget, rows_left, work = self.engine.free_pages, self.engine.max_rows, []
+        for s in live:
+            if not s.prompting:
+                cost = self.engine.free_page_cost(s.slot, 1)
+                if cost <= budget:  # otherwise it stalls until a page frees up
+                    work.append(Work(s.slot, 1))
+                    budget, rows_left = budget - cost, rows_left - 1
+        prompts = [s for s in live if s.prompting]
+        if prompts:
+            start = self._rotation % len(prompts)
+            self._rotation += 1
+            for s in prompts[start:] + prompts[:start]:
+                n = min(self.prompt_quantum, s.prompt_left, rows_left)
+                while n and self.engine.free_page_cost(s.slot, n) > budget:
+                    n -= 1  # prompts hold reservations, so this only guards the invariant
+                if n:
+                    work.append(Work(s.slot, n))
+                    budget, rows_left = budget - self.engine.free_page_cost(s.slot, n), rows_left - n
+        return work
+
+    def _check(self, work: list[Work], outcomes: list[Outcome]) -> None:
+        got = [(o.slot, o.rows) for o in outcomes]
+        if got != [(w.slot, w.rows) for w in work]:
+            raise StepError(f"planned (slot, rows) {[(w.slot, w.rows) for w in work]}, outcomes {got}")
+        for o in outcomes:
+            if (o.choice is None) != self.engine.seqs[o.slot].prompting:
+                raise StepError(f"slot {o.slot}: a token is expected exactly when its prompt is done")
+
+    def _apply(self, outcomes: list[Outcome]) -> list[Event]:
+        events: list[Event] = []
+        for o in outcomes:
+            if o.choice is None:
+                continue
+            s = self.engine.seqs[o.slot]
+            r, tok = s.request, o.choice.token
+            self._tokens_generated += 1
+            if (tok == self.engine.config.eos_id and not r.ignore_eos) or tok in r.stop_ids:
+                events.append(self._finish(s, "stop"))  # the stop token itself is not reported
+                continue
+            events.append(TokenEvent(r.req_id, tok, o.choice.logprob, o.choice.top_logprobs))
+            if len(s.generated) >= s.max_new:
+                events.append(self._finish(s, "length"))
+        return events
+
+    def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
+        self.engine.retire(s.slot)
+        self._running.pop(s.request.req_id, None)
+        return FinishEvent(s.request.req_id, reason, len(s.prompt), len(s.generated), message)
+
+    def _break_stall(self) -> list[Event]:
+        """Nothing could run: every live sequence waits for a page nobody will free.
+        End the youngest so the older ones can go on (only with an undersized pool)."""
+        live = self.engine.live()
+        if not live:
+            return []
+        with self._lock:
+            msg = (f"KV page pool exhausted ({self.engine.pool.n_pages} pages); "
+                   f"raise kv_pool_tokens to let sequences grow this long")
+            log.warning("request %d: %s", live[-1].request.req_id, msg)
+            return [self._finish(live[-1], "length", msg)]
+
+    def _fail(self, work: list[Work], err: Exception) -> list[Event]:
+        log.error("pass failed, finishing its %d requests: %s", len(work), err)
+        msg = f"{type(err).__name__}: {err}"
+        events: list[Event] = []
+        with self._lock:
+            for w in work:
+                s = self.engine.seqs.get(w.slot)
+                if s is None:
+                    continue
+                try:
+                    self.engine.retire(s.slot)  # drops the bookkeeping before touching the backend
+                except Exception:
+                    log.exception("slot %d: reset after a failed pass also failed", s.slot)
+                self._running.pop(s.request.req_id, None)
+                events.append(FinishEvent(s.request.req_id, "error", len(s.prompt), len(s.generated), msg))
+        return events

@@ -1,0 +1,246 @@
+"""SeqEngine: the mechanism under the scheduler.
+
+It owns the slots, their block tables (through a BlockManager) and their
+samplers, and turns "slot s runs n rows" into one backend pass. It decides
+nothing: which requests run and how many prompt rows each gets is the
+Scheduler's business.
+
+Per slot, a sequence walks through positions 0, 1, 2, ...: first the prompt
+tokens, then each generated token is fed back at the next position. The row
+that feeds the last prompt token, and every decode row, produces the next
+token; earlier prompt rows only fill the KV state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..backend import PAGE_TOKENS, Backend, Row, StepPlan, StepResult
+from ..paging.blocks import BlockManager
+from ..paging.pool import PagePool, pool_pages
+from .request import Request
+from .sampling import Choice, SlotSampler
+
+
+class StepError(RuntimeError):
+    """A backend pass broke the protocol (wrong number of rows, missing logits...)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    status: str          # "admitted" | "busy" | "refused"
+    slot: int = -1
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Work:
+    """Run `rows` consecutive rows of slot `slot` in the next pass."""
+    slot: int
+    rows: int = 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    slot: int
+    rows: int
+    choice: Optional[Choice]  # the token this pass produced, None for a mid-prompt chunk
+
+
+@dataclass
+class Seq:
+    request: Request
+    slot: int
+    order: int               # admission order: lower is older
+    prompt: list[int]
+    max_new: int             # output cap, already clamped to the context
+    sampler: SlotSampler
+    fed: int = 0             # positions already run through the backend
+
+    @property
+    def generated(self) -> list[int]:
+        return self.sampler.generated
+
+    @property
+    def prompting(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    @property
+    def prompt_left(self) -> int:
+        return max(0, len(self.prompt) - self.fed)
+
+    @property
+    def lifetime(self) -> int:
+        """Positions this sequence can ever feed (its last token is never fed back)."""
+        return len(self.prompt) + self.max_new - 1
+
+    def tokens(self, rows: int) -> list[int]:
+        if self.prompting:
+            return self.prompt[self.fed:self.fed + rows]
+        return [self.generated[-1]]
+
+
+class SeqEngine:
+    def __init__(self, backend: Backend, config, max_concurrency: int = 16,
+                 kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
+                 max_context: Optional[int] = None, page_order_seed: Optional[int] = None):
+        """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them)."""
+        if not 1 <= max_concurrency <= backend.max_rows:
+            raise ValueError(f"max_concurrency must be in 1..{backend.max_rows}, got {max_concurrency}")
+        self.backend = backend
+        self.config = config
+        self.max_rows = backend.max_rows
+        self.max_concurrency = max_concurrency
+        self.max_context = int(max_context or config.context_length)
+        if not 1 < self.max_context <= config.context_length:
+            raise ValueError(f"max_context must be in 2..{config.context_length} (the model's context), "
+                             f"got {self.max_context}")
+        self.kv_pool_tokens = kv_pool_tokens
+        n_pages = pool_pages(max_concurrency, self.max_context, kv_pool_tokens, page_tokens)
+        self.pool = PagePool(n_pages, page_tokens, order_seed=page_order_seed)
+        self.blocks = BlockManager(self.pool, max_concurrency)
+        self.seqs: dict[int, Seq] = {}
+        self._admitted = 0
+        backend.configure(max_concurrency, n_pages, page_tokens)
+
+    # ---- admission -------------------------------------------------------------
+    def refusal(self, request: Request) -> Optional[str]:
+        """Why this request can never run here, or None. Depends only on fixed sizes."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            return "the prompt is empty (it needs at least one token, e.g. BOS)"
+        if request.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {request.max_new_tokens}"
+        bad = [t for t in request.prompt_ids if not 0 <= int(t) < self.config.vocab_size]
+        if bad:
+            return f"prompt token {bad[0]} is outside the vocabulary of {self.config.vocab_size}"
+        if n >= self.max_context:
+            return (f"the prompt has {n} tokens; the context limit is {self.max_context}, "
+                    f"which leaves no room for output")
+        if not self.blocks.fits_idle_pool(n, n + self.output_cap(request) - 1):
+            need = self.blocks.first_reservation(n, n + self.output_cap(request) - 1)
+            return (f"the prompt needs {need} pages of {self.pool.page_tokens} tokens (prompt plus one "
+                    f"page) but the whole pool has {self.pool.n_pages}; raise kv_pool_tokens "
+                    f"or shorten the prompt")
+        return None
+
+    def output_cap(self, request: Request) -> int:
+        return max(0, min(request.max_new_tokens, self.max_context - len(request.prompt_ids)))
+
+    def admit(self, request: Request) -> Admission:
+        reason = self.refusal(request)
+        if reason:
+            return Admission("refused", reason=reason)
+        if len(self.seqs) >= self.max_concurrency:
+            return Admission("busy", reason="every slot is live")
+        prompt = [int(t) for t in request.prompt_ids]
+        max_new = self.output_cap(request)
+        if not self.blocks.can_admit(len(prompt), len(prompt) + max_new - 1):
+            return Admission("busy", reason="not enough free pages")
+        slot = min(set(range(self.max_concurrency)) - set(self.seqs))
+        self.backend.reset_slot(slot)
+        self.blocks.admit(slot, len(prompt), len(prompt) + max_new - 1)
+        self.seqs[slot] = Seq(request, slot, self._admitted, prompt, max_new,
+                              SlotSampler(request.sampling, prompt))
+        self._admitted += 1
+        return Admission("admitted", slot=slot)
+
+    def retire(self, slot: int) -> None:
+        if slot not in self.seqs:
+            raise KeyError(f"slot {slot} is not live")
+        del self.seqs[slot]
+        self.blocks.release(slot)
+        self.backend.reset_slot(slot)
+
+    # ---- planning helpers ----------------------------------------------------------
+    def live(self) -> list[Seq]:
+        """Live sequences, oldest first."""
+        return sorted(self.seqs.values(), key=lambda s: s.order)
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free_pages
+
+    def free_page_cost(self, slot: int, rows: int) -> int:
+        """Free (unreserved) pages that running `rows` more rows of slot would take."""
+        s = self.seqs[slot]
+        missing = self.blocks.missing_pages(slot, s.fed + rows)
+        return max(0, missing - self.pool.reservation(slot))
+
+    # ---- one pass -----------------------------------------------------------------
+    def step(self, work: Sequence[Work]) -> list[Outcome]:
+        rows = self._rows(work)
+        self._map_pages(work)
+        result = self.backend.step(StepPlan.from_rows(rows, self.max_rows))
+        self._check(rows, result)
+        outcomes = self._advance(work, result)
+        self.blocks.top_up([s.slot for s in self.live()])
+        return outcomes
+
+    def _rows(self, work: Sequence[Work]) -> list[Row]:
+        """Validate the plan and lay out its rows; changes nothing."""
+        if len({w.slot for w in work}) != len(work):
+            raise ValueError("a slot appears twice in one pass")
+        if sum(w.rows for w in work) > self.max_rows:
+            raise ValueError(f"a pass holds at most {self.max_rows} rows, plan has {sum(w.rows for w in work)}")
+        rows: list[Row] = []
+        for w in work:
+            s = self.seqs.get(w.slot)
+            if s is None:
+                raise ValueError(f"slot {w.slot} is not live")
+            limit = s.prompt_left if s.prompting else 1
+            if not 1 <= w.rows <= limit:
+                raise ValueError(f"slot {w.slot} may run 1..{limit} rows now, plan asks {w.rows}")
+            for i, tok in enumerate(s.tokens(w.rows)):
+                # Only a sequence's newest row yields a token; earlier prompt rows just fill state.
+                emit = i == w.rows - 1 and s.fed + w.rows >= len(s.prompt)
+                rows.append(Row(w.slot, s.fed + i, tok, want_logits=emit and s.sampler.needs_logits, emit=emit))
+        if sum(self.free_page_cost(w.slot, w.rows) for w in work) > self.pool.free_pages:
+            raise ValueError("the plan needs more free pages than the pool has")
+        return rows
+
+    def _map_pages(self, work: Sequence[Work]) -> None:
+        # The page holding position p (p // page_tokens) must be in the backend's
+        # table before the row at p runs.
+        for w in work:
+            if self.blocks.map(w.slot, self.seqs[w.slot].fed + w.rows):
+                self.backend.set_block_table(w.slot, self.blocks.table(w.slot))
+
+    def _check(self, rows: list[Row], result: StepResult) -> None:
+        n = len(rows)
+        if len(result.logits) != n or len(np.asarray(result.argmax).reshape(-1)) != n:
+            raise StepError(f"backend returned {len(result.logits)} logits and "
+                            f"{np.asarray(result.argmax).size} argmax for {n} rows")
+        for i, r in enumerate(rows):
+            lg = result.logits[i]
+            if r.emit and not 0 <= int(result.argmax[i]) < self.config.vocab_size:
+                raise StepError(f"row {i} (slot {r.slot}, position {r.position}) emits but its argmax "
+                                f"is {int(result.argmax[i])}")
+            if not r.want_logits:
+                continue
+            if lg is None or np.shape(lg) != (self.config.vocab_size,):
+                raise StepError(f"row {i} (slot {r.slot}, position {r.position}) wanted logits of "
+                                f"shape ({self.config.vocab_size},), got {None if lg is None else np.shape(lg)}")
+            if int(np.argmax(lg)) != int(result.argmax[i]):
+                raise StepError(f"row {i} (slot {r.slot}): argmax {int(result.argmax[i])} disagrees "
+                                f"with its logits ({int(np.argmax(lg))})")
+
+    def _advance(self, work: Sequence[Work], result: StepResult) -> list[Outcome]:
+        outcomes, i = [], 0
+        for w in work:
+            s = self.seqs[w.slot]
+            last = i + w.rows - 1
+            s.fed += w.rows
+            choice = None
+            if not s.prompting:
+                choice = s.sampler.choose(result.logits[last], int(result.argmax[last]))
+            outcomes.append(Outcome(w.slot, w.rows, choice))
+            i += w.rows
+        return outcomes
+
+    def stats(self) -> dict:
+        return {"live": len(self.seqs), "pages_total": self.pool.n_pages,
+                "pages_used": self.pool.used_pages, "pages_reserved": self.pool.reserved_pages,
+                "pages_free": self.pool.free_pages}
