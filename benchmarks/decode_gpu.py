@@ -1,0 +1,220 @@
+"""Decode step time of HipBackend on a Flash-shaped model with random bf16 weights.
+
+    python benchmarks/decode_gpu.py --out /tmp/perf_decode_gpu.md
+
+The model: hidden 4096, 64 heads x 512 (64 rotary), q_lora 1024, 8 output groups x 1024,
+indexer 64 heads x 128 top-512, window 128, hc 4, 8 layers with ratios 0,0,4,128,4,128,4,128,
+32 experts top-6 (ff 2048) + 1 shared, vocab 129280. The weights are generated on the GPU
+(never on the host). History: the slots' positions are set to the context length over
+zeroed pages, so every step reads the full visible history (timing does not depend on
+the values). Times: one decode pass of C rows (one per slot), graph replay, GPU events,
+median of the repeats; "step" adds the host side (lane upload, argmax download).
+
+Floor: bytes a pass must read (weights touched: everything but the routed experts, plus
+the distinct experts C rows choose, expected under uniform routing; plus the visible
+KV/indexer history) divided by the measured device copy bandwidth (read + write counted,
+as in docs/perf_ops_gpu.md). The gfx1151 column is the same bytes over 212 GB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4ref.backend import Row, StepPlan  # noqa: E402
+from ds4ref.reference.layers import Tables  # noqa: E402
+from ds4ref.tiny import tiny_config  # noqa: E402
+
+GFX1151_GBS = 212.0
+
+
+def flash_config():
+    return dataclasses.replace(
+        tiny_config(n_layer=8), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512, n_rot=64,
+        q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=32, n_expert_used=6, n_expert_shared=1,
+        expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128, indexer_top_k=512,
+        compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), context_length=8192, name="flash-shaped-8L")
+
+
+def copy_bandwidth(rt, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a, b = rt.malloc(nbytes), rt.malloc(nbytes)
+    e0, e1 = rt.event(), rt.event()
+    rt.d2d(b, a, nbytes)
+    rt.record(e0)
+    for _ in range(5):
+        rt.d2d(b, a, nbytes)
+    rt.record(e1)
+    ms = rt.elapsed_ms(e0, e1) / 5
+    a.free()
+    b.free()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def weight_bytes(dw, cfg, C: int) -> int:
+    """Weight bytes one pass of C rows reads: all but routed experts, plus expected distinct experts."""
+    fixed, per_expert = 0, 0
+    for name, t in dw.mats.items():
+        nb = t.buf.nbytes
+        if "_exps." in name:
+            per_expert += nb // cfg.n_expert
+        elif name == "token_embd.weight":
+            fixed += C * t.shape[-1] * 2  # C rows gathered
+        else:
+            fixed += nb
+    fixed += sum(v.nbytes for v in dw.vecs.values() if v.nbytes < (1 << 22))
+    distinct = cfg.n_expert * (1 - (1 - cfg.n_expert_used / cfg.n_expert) ** C)
+    # per_expert summed the 3 matrices of one expert over all layers
+    return int(fixed + distinct * per_expert)
+
+
+def history_bytes(cfg, ctx: int, C: int) -> int:
+    """KV, compressed and indexer rows one pass reads for C rows at position ctx (f32 state)."""
+    n = 0
+    for r in cfg.compress_ratios:
+        n += min(ctx + 1, cfg.sliding_window) * cfg.head_dim
+        if r == 4:
+            n += (ctx + 1) // 4 * cfg.indexer_head_dim + min((ctx + 1) // 4, cfg.indexer_top_k) * cfg.head_dim
+        elif r:
+            n += (ctx + 1) // r * cfg.head_dim
+    return 4 * n * C
+
+
+def bench_case(backend, cfg, C: int, ctx: int, reps: int) -> tuple[float, float]:
+    """(median ms of the graph replay, median ms of a whole step()) for C decode rows at ctx."""
+    st = backend.state
+    pages = -(-(ctx + reps + 8) // st.page_tokens)
+    for s in range(16):
+        backend.reset_slot(s)
+    for s in range(C):
+        backend.set_block_table(s, list(range(s * pages, (s + 1) * pages)))
+        st.next_pos[s] = ctx  # synthetic history: zeroed pages, full visible length
+    steps = []
+    for i in range(reps):
+        rows = [Row(s, ctx + i, (17 * s + i) % cfg.vocab_size, want_logits=False) for s in range(C)]
+        t0 = time.perf_counter()
+        backend.step(StepPlan.from_rows(rows))
+        steps.append(time.perf_counter() - t0)
+    rt = backend.rt
+    gpu = []
+    for _ in range(reps):
+        e0, e1 = rt.event(), rt.event()
+        rt.record(e0)
+        rt.replay(backend._graph)
+        rt.record(e1)
+        gpu.append(rt.elapsed_ms(e0, e1))
+    return float(np.median(gpu)), 1e3 * float(np.median(steps[1:]))
+
+
+def kernel_names(rt) -> dict:
+    """repr(kernel handle) -> kernel name, from the runtime's compiled-module cache."""
+    names = {}
+    for mod in rt.__dict__.get("_module_cache", {}).values():
+        for fn, handle in mod._kernels.items():
+            names[repr(handle)] = fn
+    return names
+
+
+def profile(backend, top: int = 18) -> list[str]:
+    """GPU time per kernel of one pass: the recorded launches run eagerly between events.
+    A few graph replays are queued first so the GPU is still busy while the host enqueues
+    (otherwise launch gaps would be timed as kernel time)."""
+    rt, ops = backend.rt, backend.program.ops
+    names = kernel_names(rt)
+    evs = [rt.event() for _ in range(len(ops) + 1)]
+    for _ in range(6):
+        rt.replay(backend._graph)
+    for ev, (kernel, grid, block, args, shared) in zip(evs, ops):
+        rt.record(ev)
+        rt.launch(kernel, grid, block, args, shared)
+    rt.record(evs[-1])
+    rt.synchronize()
+    tot: dict[str, list[float]] = {}
+    for i, (kernel, *_rest) in enumerate(ops):
+        ms = rt.elapsed_ms(evs[i], evs[i + 1])
+        tot.setdefault(names.get(repr(kernel), getattr(kernel, "name", repr(kernel)[:40])), []).append(ms)
+    rows = sorted(tot.items(), key=lambda kv: -sum(kv[1]))
+    total = sum(sum(v) for v in tot.values())
+    out = [f"one pass, kernels run back to back: {total:.2f} ms over {len(ops)} launches", "",
+           "| kernel | launches | total ms | share |", "|---|---|---|---|"]
+    out += [f"| {k} | {len(v)} | {sum(v):.3f} | {sum(v) / total:.1%} |" for k, v in rows[:top]]
+    return out
+
+
+def transformers_note() -> str:
+    try:
+        import transformers
+        from transformers.models import deepseek_v4  # noqa: F401
+        return f"transformers {transformers.__version__} has deepseek_v4 (eager comparison not wired in this run)"
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"transformers' eager DeepseekV4 not importable here: {type(exc).__name__}: {str(exc)[:120]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf_decode_gpu.md")
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--ctx", default="256,4096")
+    ap.add_argument("--lanes", default="1,4,8,16")
+    args = ap.parse_args()
+    from ds4ref.hip.backend import HipBackend
+    from ds4ref.hip.device_weights import DeviceWeights
+    from ds4ref.hip.guards import open_device
+    t0 = time.time()
+    rt = open_device()
+    cfg = flash_config()
+    model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
+    dw = DeviceWeights.random_flash(rt, cfg)
+    print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
+    bw = copy_bandwidth(rt)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    ctxs = [int(x) for x in args.ctx.split(",")]
+    lanes = [int(x) for x in args.lanes.split(",")]
+    pages_per_slot = -(-(max(ctxs) + args.reps + 8) // 128)
+    backend.configure(16, 16 * pages_per_slot)
+    lines = []
+    for ctx in ctxs:
+        for C in lanes:
+            gpu_ms, step_ms = bench_case(backend, cfg, C, ctx, args.reps)
+            nbytes = weight_bytes(dw, cfg, C) + history_bytes(cfg, ctx, C)
+            floor_ms = nbytes / bw * 1e3
+            gfx_ms = nbytes / (GFX1151_GBS * 1e9) * 1e3
+            line = (f"| {ctx} | {C} | {gpu_ms:.2f} | {step_ms:.2f} | {C / (step_ms * 1e-3):.0f} | "
+                    f"{nbytes / 1e9:.2f} | {floor_ms:.3f} | {floor_ms / gpu_ms:.1%} | {gfx_ms:.1f} | "
+                    f"{C / (gfx_ms * 1e-3):.0f} |")
+            print(line, flush=True)
+            lines.append(line)
+    prof = []
+    try:
+        prof = profile(backend)
+        print("\n".join(prof), flush=True)
+    except Exception as exc:  # noqa: BLE001 - the timings above stand without it
+        print(f"profile failed: {type(exc).__name__}: {exc}")
+    note = transformers_note()
+    print(note)
+    text = "\n".join([
+        f"Flash-shaped 8-layer model ({cfg.n_embd} hidden, 64x512 heads, 32 experts top-6, vocab 129280), "
+        f"random bf16 weights made on the GPU ({dw.bytes / 2**30:.1f} GiB); {rt.info.name}; "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write). One graph capture served every row "
+        f"(capture_count = {backend.capture_count}). Generated by `benchmarks/decode_gpu.py` in "
+        f"{time.time() - t0:.0f} s.",
+        "",
+        "| context | C | pass ms (graph, GPU) | step ms (host incl.) | tok/s | GB read | floor ms | floor / pass | "
+        "gfx1151 floor ms (212 GB/s) | gfx1151 tok/s at floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *lines, "", note, "",
+        f"Where the time goes (C = {lanes[-1]}, context {ctxs[-1]}; per-kernel GPU time):", "", *prof, ""])
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""HipBackend: the whole gathered pass of up to 16 rows on the GPU, as one graph.
+
+Design (docs/hip_backend.md has the long form):
+* Lanes. A pass is always 16 lanes; padding lanes carry slot -1. The host writes
+  per-lane ints (slot, position, token, where the slot's rows start and end in the
+  pass, visible compressed rows per ratio) into one fixed device buffer before
+  every replay; block tables live in a fixed device buffer too. Nothing else
+  changes between passes, so one captured graph serves every pass: lanes joining
+  or leaving, ratio-4/128 boundaries, growing history (kernels loop to the
+  visible lengths they read from device memory; grids cover the capacity).
+* Several rows of one slot. Within a layer every state-reading kernel reads the
+  state as it was before the pass plus this pass's per-lane buffers, and the
+  state is written back by commit kernels at the end of the layer. Row i of a
+  slot therefore sees rows < i of the same pass (from the pass buffers) and the
+  older history (from the state), exactly what feeding the tokens one at a time
+  would give, without splitting the pass. Rows are reordered so that a slot's
+  rows sit on consecutive lanes.
+* Weights are read once per pass for all lanes (batched matvec; routed experts
+  read once for all lanes that chose them).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..reference.state import ATTN, INDEX
+from . import ops as K
+from .device_state import DeviceState, check_rows, lane_fields, lane_order
+from .device_weights import WTYPE_CODE, DeviceWeights
+from .guards import DeviceMemoryError, open_device
+
+I32, F32, F64 = np.int32, np.float32, np.float64
+L = MAX_ROWS
+
+
+def _blocks(n: int, per: int) -> int:
+    return max(1, -(-int(n) // per))
+
+
+class Recorder:
+    """Stands in for the runtime while the pass is built: launches are recorded,
+    not run, so the same list runs eagerly or is captured into a graph."""
+
+    def __init__(self, rt):
+        self.rt, self.ops = rt, []
+
+    def launch(self, kernel, grid, block, args, shared=0, stream=None):
+        self.ops.append((kernel, tuple(grid), tuple(block), tuple(args), shared))
+
+    def compile_file(self, filename, options=()):
+        return self.rt.compile_file(filename, options)
+
+    def run(self) -> None:
+        for kernel, grid, block, args, shared in self.ops:
+            self.rt.launch(kernel, grid, block, args, shared)
+
+
+class HipBackend:
+    name = "hip"
+
+    def __init__(self, reference_model, runtime=None, device_weights: DeviceWeights | None = None,
+                 use_graph: bool | None = None, allow_untested_arch: bool = False):
+        self.model = reference_model
+        self.cfg = reference_model.config
+        self.numerics = reference_model.numerics
+        self.max_rows = MAX_ROWS
+        if runtime is None:
+            runtime = open_device(allow_untested_arch)
+        self.rt = runtime
+        for f in ("step_ops.hip", "step_state.hip"):  # compile now: fail at load, not mid-request
+            self.rt.compile_file(f)
+        self.w = device_weights if device_weights is not None else DeviceWeights.from_weights(
+            runtime, reference_model.weights)
+        self.use_graph = (os.environ.get("DS4REF_HIP_GRAPH", "1") != "0") if use_graph is None else use_graph
+        self._tables()
+        self.state: DeviceState | None = None
+        self.capture_count = 0
+        self.replay_count = 0
+        self._graph = None
+        self._ws: dict[str, object] = {}
+
+    # ---- protocol ----------------------------------------------------------------
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+        self._release_state()
+        need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens)
+        free, _total = self.rt.mem_info()
+        if need > 0.95 * free:
+            raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
+                                    f"state, {free / 2**30:.2f} GiB is free; use fewer")
+        ratios = sorted({r for r in self.cfg.compress_ratios if r})
+        self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios)
+        self._alloc_workspace()
+        rec = Recorder(self.rt)
+        self._build(rec)
+        self.program = rec
+        self._graph = None  # the capacity bucket changed: capture again on the next step
+
+    def reset_slot(self, slot: int) -> None:
+        self._need_state().reset_slot(slot)
+
+    def set_block_table(self, slot: int, pages) -> None:
+        self._need_state().set_block_table(slot, pages)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        st = self._need_state()
+        rows = plan.rows()
+        check_rows(rows, st.next_pos, [t.size for t in st.tables], st.page_tokens, self.cfg.vocab_size,
+                   self.max_rows)
+        order = lane_order([r.slot for r in rows])
+        lanes = [rows[i] for i in order]
+        st.write_lanes(lane_fields(lanes, st.ratios))
+        self._run()
+        self.rt.synchronize()
+        amax = self.rt.download(self._ws["amax"], (L,), I32)
+        logits: list[np.ndarray | None] = [None] * len(rows)
+        argmax = np.full(len(rows), -1, I32)
+        V = self.cfg.vocab_size
+        for lane, i in enumerate(order):
+            r = rows[i]
+            st.next_pos[r.slot] += 1
+            if r.emit:
+                argmax[i] = amax[lane]
+            if r.want_logits:
+                logits[i] = self.rt.download(K.view(self._ws["logits"], lane * V * 4, V * 4), (V,), F32)
+        return StepResult(logits, argmax)
+
+    # ---- running -------------------------------------------------------------------
+    def _run(self) -> None:
+        if not self.use_graph:
+            self.program.run()
+            return
+        if self._graph is None:
+            self.rt.synchronize()
+            self.rt.begin_capture()
+            try:
+                self.program.run()
+            finally:
+                graph = self.rt.end_capture()
+            self._graph = graph
+            self.capture_count += 1
+        self.rt.replay(self._graph)
+        self.replay_count += 1
+
+    def _need_state(self) -> DeviceState:
+        if self.state is None:
+            raise RuntimeError("backend not configured: call configure(n_slots, n_pages) first")
+        return self.state
+
+    def _release_state(self) -> None:
+        if self.state is not None:
+            self.state.free()
+            for b in self._ws.values():
+                b.free()
+            self._ws = {}
+            self.state = None
+
+    def close(self) -> None:
+        self._release_state()
+        self.w.free()
+
+    # ---- constants and workspace ---------------------------------------------------------
+    def _tables(self) -> None:
+        t = self.model.tables
+        rt = self.rt
+        self.omega = {0: rt.upload(np.asarray(t.omega_main, F32)), 1: rt.upload(np.asarray(t.omega_compress, F32))}
+        self.hadamard = rt.upload(np.asarray(t.hadamard, F32))
+
+    def _alloc_workspace(self) -> None:
+        c = self.cfg
+        st = self.state
+        D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
+        wmax = max(D, Di)
+        cmax = max([8] + [r for r in c.compress_ratios if r])
+        ffs = c.expert_ff * max(c.n_expert_shared, 1)
+        kk = c.n_expert_used
+        self.ncap4 = st.maxp * st.layout.rows_per_page(4) if 4 in c.compress_ratios else 1
+        f32 = {
+            "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
+            "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
+            "kv_raw": D, "kv": D, "kv8": D,
+            "ckv": 2 * D, "csc": 2 * D, "ikv": 2 * Di, "isc": 2 * Di,
+            "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
+            "crow3": wmax, "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
+            "qi": c.indexer_heads * Di, "qi_h": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
+            "wraw": c.indexer_heads, "scores": self.ncap4,
+            "o": c.n_head * D, "z": c.o_groups * c.o_lora_rank, "y": d,
+            "xn": d, "rlog": c.n_expert, "rw": kk, "eg": kk * c.expert_ff, "eu": kk * c.expert_ff,
+            "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
+            "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
+        }
+        i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1}
+        for name, n in list(f32.items()) + list(i32.items()):
+            buf = self.rt.malloc(4 * L * n)
+            self.rt.memset32(buf, 0, L * n)
+            self._ws[name] = buf
+        self.rt.synchronize()
+
+    # ---- the pass --------------------------------------------------------------------------
+    def _build(self, rec: Recorder) -> None:
+        """Record the whole pass: embedding, every layer, head, argmax."""
+        c, ws, st = self.cfg, self._ws, self.state
+        k = rec.compile_file("step_ops.hip").kernel
+        emb = self.w.tensor("token_embd.weight")
+        rec.launch(k("step_embed"), (L,), (256,), (emb.buf, I32(WTYPE_CODE[emb.wtype]), I32(c.n_embd),
+                                                    I32(c.hc_mult), st.lane("tok"), ws["s0"]))
+        for il in range(c.n_layer):
+            self._attention_layer(rec, il)
+            self._ffn_layer(rec, il)
+        self._head(rec)
+
+    # small launch helpers ---------------------------------------------------------------
+    def _mv(self, rec, name, x, y, **kw):
+        K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
+
+    def _norm(self, rec, x, wname, y, rows, D):
+        K.launch_rmsnorm(rec, x, None if wname is None else self.w.vec(wname), y, rows, D, self.cfg.rms_eps)
+
+    def _rope(self, rec, v, posbuf, ratio, rows_per_lane, D, inverse=False):
+        half = self.cfg.n_rot // 2
+        k = rec.compile_file("step_ops.hip").kernel("step_rope_pos")
+        rec.launch(k, (_blocks(L * rows_per_lane * half, 256),), (256,),
+                   (v, posbuf, self.omega[1 if ratio else 0], I32(rows_per_lane), I32(D), I32(half),
+                    I32(1 if inverse else 0)))
+
+    def _hc_pre(self, rec, il, part, streams):
+        c, ws = self.cfg, self._ws
+        p = f"blk.{il}.hc_{part}_"
+        self._mv(rec, p + "fn.weight", streams, ws["mix"])
+        rec.launch(K.kernel(rec, "hc", "ds4_hc_pre_finish"), (L,), (256,),
+                   (streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
+                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F64(c.hc_eps), I32(c.hc_sinkhorn_iters),
+                    ws["u"], ws["post"], ws["comb"]))
+
+    def _hc_post(self, rec, streams, y, out):
+        c, ws = self.cfg, self._ws
+        rec.launch(K.kernel(rec, "hc", "ds4_hc_post"), (_blocks(L * c.hc_mult * c.n_embd, 256),), (256,),
+                   (streams, y, ws["post"], ws["comb"], out, I32(L), I32(c.hc_mult), I32(c.n_embd)))
+
+    # attention half of a layer ---------------------------------------------------------------
+    def _attention_layer(self, rec, il: int) -> None:
+        c, ws, st = self.cfg, self._ws, self.state
+        ratio, D, H = c.ratio(il), c.head_dim, c.n_head
+        p = f"blk.{il}."
+        pos = st.lane("pos")
+        self._hc_pre(rec, il, "attn", ws["s0"])
+        self._norm(rec, ws["u"], p + "attn_norm.weight", ws["a"], L, c.n_embd)
+        self._mv(rec, p + "attn_q_a.weight", ws["a"], ws["qa_raw"])
+        self._norm(rec, ws["qa_raw"], p + "attn_q_a_norm.weight", ws["qr"], L, c.q_lora_rank)
+        self._mv(rec, p + "attn_q_b.weight", ws["qr"], ws["q_raw"])
+        self._norm(rec, ws["q_raw"], None, ws["q"], L * H, D)
+        self._mv(rec, p + "attn_kv.weight", ws["a"], ws["kv_raw"])
+        self._norm(rec, ws["kv_raw"], p + "attn_kv_a_norm.weight", ws["kv"], L, D)
+        self._rope(rec, ws["q"], pos, ratio, H, D)
+        self._rope(rec, ws["kv"], pos, ratio, 1, D)
+        kv = ws["kv"]
+        if self.numerics == "official":
+            rec.launch(K.kernel(rec, "quant", "ds4_fp8sim"), (L,), (256,), (kv, ws["kv8"], I32(L), I32(D), I32(c.n_rot)))
+            kv = ws["kv8"]
+        sel = None
+        if ratio:
+            self._compressor(rec, il, ATTN)
+            if ratio == 4:
+                self._compressor(rec, il, INDEX)
+                sel = self._indexer(rec, il)
+        self._attend(rec, il, kv, sel)
+        self._rope(rec, ws["o"], pos, ratio, H, D, inverse=True)
+        hd = H * D
+        self._mv(rec, p + "attn_output_a.weight", ws["o"], ws["z"], groups=c.o_groups, ldx=hd,
+                 xg=hd // c.o_groups, ldy=c.o_groups * c.o_lora_rank)
+        self._mv(rec, p + "attn_output_b.weight", ws["z"], ws["y"])
+        self._hc_post(rec, ws["s0"], ws["y"], ws["s1"])
+        self._commit(rec, il, kv)
+
+    def _compressor(self, rec, il: int, kind: str) -> None:
+        """Project this pass's inputs, pool the windows lanes complete, store the rows."""
+        c, ws, st = self.cfg, self._ws, self.state
+        ratio = c.ratio(il)
+        cs = st.comps[(il, kind)]
+        width, coff = cs.width, (2 if ratio == 4 else 1)
+        pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
+        pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
+        nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
+        self._mv(rec, pre + "_kv.weight", ws["a"], pkv)
+        self._mv(rec, pre + "_gate.weight", ws["a"], psc)
+        C = 8 if ratio == 4 else ratio
+        kso = rec.compile_file("step_state.hip").kernel
+        rec.launch(kso("step_comp_gather"), (_blocks(L * C * width, 256),), (256,),
+                   (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, cs.prev_kv, cs.prev_sc,
+                    I32(ratio), I32(width), I32(coff), st.lane("slot"), st.lane("pos"), st.lane("pstart"),
+                    st.lane("flane"), ws["cand_kv"], ws["cand_sc"], nkv, nsc, ws["emit_pos"]))
+        rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(L * width, 256),), (256,),
+                   (ws["cand_kv"], ws["cand_sc"], ws["pooled"], I32(L), I32(C), I32(width)))
+        self._norm(rec, ws["pooled"], pre + "_norm.weight", ws["crow"], L, width)
+        self._rope(rec, ws["crow"], ws["emit_pos"], ratio, 1, width)
+        row = ws["crow"]
+        if self.numerics == "official":
+            if kind == INDEX:
+                row = self._qat(rec, row, ws["crow2"], ws["crow3"], L, width)
+            else:
+                rec.launch(K.kernel(rec, "quant", "ds4_fp8sim"), (L,), (256,),
+                           (row, ws["crow2"], I32(L), I32(width), I32(c.n_rot)))
+                row = ws["crow2"]
+        per = st.layout.rows_per_page(ratio)
+        rec.launch(kso("step_comp_store"), (L,), (128,),
+                   (row, st.pages[(il, kind)], st.btab, I32(st.maxp), I32(per), I32(ratio), I32(width),
+                    st.lane("slot"), st.lane("pos")))
+
+    def _qat(self, rec, x, tmp, out, rows, n):
+        """Hadamard rotation then FP4 blocks (ops.qat)."""
+        rec.launch(K.kernel(rec, "quant", "ds4_hadamard_rows"), (_blocks(rows * n, 256),), (256,),
+                   (x, self.hadamard, tmp, I32(rows), I32(n)))
+        nb = rows * n // 32
+        rec.launch(K.kernel(rec, "quant", "ds4_e2m1_blocks"), (_blocks(nb, 8),), (256,), (tmp, out, np.int64(nb)))
+        return out
+
+    def _indexer(self, rec, il: int):
+        """Indexer query, scores over the slot's index rows, top-k -> ws['sel']."""
+        c, ws, st = self.cfg, self._ws, self.state
+        p = f"blk.{il}."
+        Hi, Di = c.indexer_heads, c.indexer_head_dim
+        self._mv(rec, p + "indexer.attn_q_b.weight", ws["qr"], ws["qi"])
+        self._rope(rec, ws["qi"], st.lane("pos"), 4, Hi, Di)
+        qi = ws["qi"]
+        if self.numerics == "official":
+            qi = self._qat(rec, qi, ws["qi_h"], ws["qi_q"], L * Hi, Di)
+        self._mv(rec, p + "indexer.proj.weight", ws["a"], ws["wraw"])
+        scale = F32(1.0 / math.sqrt(Hi * Di))
+        per = st.layout.rows_per_page(4)
+        kso = rec.compile_file("step_state.hip").kernel
+        rec.launch(kso("step_indexer_paged"), (min(_blocks(self.ncap4, 8), 128), L), (256,),
+                   (qi, ws["wraw"], scale, st.pages[(il, INDEX)], st.btab, I32(st.maxp), I32(per),
+                    st.lane("slot"), st.nvis(4), ws["scores"], I32(Hi), I32(Di), I32(self.ncap4)))
+        rec.launch(K.kernel(rec, "indexer", "ds4_topk"), (L,), (512,),
+                   (ws["scores"], st.nvis(4), I32(self.ncap4), I32(c.indexer_top_k), ws["sel"]))
+        return ws["sel"]
+
+    def _attend(self, rec, il: int, kv, sel) -> None:
+        c, ws, st = self.cfg, self._ws, self.state
+        ratio, H, D = c.ratio(il), c.n_head, c.head_dim
+        store = st.pages[(il, ATTN)] if ratio else None
+        per = st.layout.rows_per_page(ratio) if ratio else 1
+        nvis = st.nvis(ratio) if ratio else st.lane("slot")  # unused without a store
+        kso = rec.compile_file("step_state.hip").kernel
+        rec.launch(kso("step_attention"), (_blocks(H, 8), L), (256,),
+                   (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
+                    I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
+                    st.lane("pstart"), st.lane("flane"), nvis, self.w.vec(f"blk.{il}.attn_sinks.weight"),
+                    ws["o"], I32(H), I32(D), I32(c.sliding_window), F32(1.0 / math.sqrt(D))))
+
+    def _commit(self, rec, il: int, kv) -> None:
+        """Write the pass into the ring and the compressor state (after every reader)."""
+        c, ws, st = self.cfg, self._ws, self.state
+        kso = rec.compile_file("step_state.hip").kernel
+        lanes = (st.lane("slot"), st.lane("pos"), st.lane("last"))
+        rec.launch(kso("step_ring_commit"), (L,), (128,),
+                   (kv, st.ring_layer(il), np.int64(st.ring_slot_floats), I32(c.sliding_window), I32(c.head_dim),
+                    *lanes))
+        ratio = c.ratio(il)
+        kinds = ([ATTN] + ([INDEX] if ratio == 4 else [])) if ratio else []
+        for kind in kinds:
+            cs = st.comps[(il, kind)]
+            coff = 2 if ratio == 4 else 1
+            pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
+            pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
+            nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
+            rec.launch(kso("step_comp_commit"), (_blocks(L * coff * cs.width, 256),), (256,),
+                       (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, nkv, nsc, cs.prev_kv,
+                        cs.prev_sc, I32(ratio), I32(cs.width), I32(coff), *lanes))
+
+    # FFN half of a layer ------------------------------------------------------------------------
+    def _ffn_layer(self, rec, il: int) -> None:
+        c, ws, st = self.cfg, self._ws, self.state
+        p = f"blk.{il}."
+        kk, clamp = c.n_expert_used, F32(c.swiglu_clamp[il])
+        self._hc_pre(rec, il, "ffn", ws["s1"])
+        self._norm(rec, ws["u"], p + "ffn_norm.weight", ws["xn"], L, c.n_embd)
+        self._mv(rec, p + "ffn_gate_inp.weight", ws["xn"], ws["rlog"])
+        ko = rec.compile_file("step_ops.hip").kernel
+        if c.is_hash_layer(il):
+            rec.launch(ko("step_hash_ids"), (1,), (_blocks(L * kk, 32) * 32,),
+                       (self.w.vec(p + "ffn_gate_tid2eid.weight"), st.lane("tok"), I32(kk), ws["hid"]))
+            bias, hid = None, ws["hid"]
+        else:
+            bias, hid = self.w.vec(p + "exp_probs_b.bias"), None
+        rec.launch(K.kernel(rec, "moe", "ds4_route"), (L,), (256,),
+                   (ws["rlog"], bias, hid, I32(c.n_expert), I32(kk), F32(c.expert_weights_scale),
+                    I32(1 if c.expert_weights_norm else 0), ws["ids"], ws["rw"]))
+        ff = c.expert_ff
+        self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"])
+        self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"])
+        act = K.kernel(rec, "moe", "ds4_swiglu_act")
+        rec.launch(act, (_blocks(L * kk * ff, 256),), (256,), (ws["eg"], ws["eu"], ws["eh"], np.int64(L * kk * ff), clamp))
+        self._experts(rec, p + "ffn_down_exps.weight", ws["eh"], 1, ws["ed"])
+        shared = None
+        if c.n_expert_shared:
+            ffs = self.w.mat(p + "ffn_gate_shexp.weight").rows
+            self._mv(rec, p + "ffn_gate_shexp.weight", ws["xn"], ws["sg"])
+            self._mv(rec, p + "ffn_up_shexp.weight", ws["xn"], ws["su"])
+            rec.launch(act, (_blocks(L * ffs, 256),), (256,), (ws["sg"], ws["su"], ws["sh"], np.int64(L * ffs), clamp))
+            self._mv(rec, p + "ffn_down_shexp.weight", ws["sh"], ws["sd"])
+            shared = ws["sd"]
+        rec.launch(ko("step_moe_combine"), (_blocks(L * c.n_embd, 256),), (256,),
+                   (ws["ed"], ws["rw"], shared, ws["ym"], I32(kk), I32(c.n_embd)))
+        self._hc_post(rec, ws["s1"], ws["ym"], ws["s0"])
+
+    def _experts(self, rec, name, x, per_choice, y) -> None:
+        t = self.w.tensor(name)
+        E, N, Kc = t.shape
+        ko = rec.compile_file("step_ops.hip").kernel
+        rec.launch(ko(f"step_experts_{t.wtype}"), (_blocks(N, 16), E), (256,),
+                   (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
+                    I32(self.cfg.n_expert_used)))
+
+    def _head(self, rec) -> None:
+        c, ws = self.cfg, self._ws
+        self._mv(rec, "output_hc_fn.weight", ws["s0"], ws["hmix"])
+        ko = rec.compile_file("step_ops.hip").kernel
+        rec.launch(ko("step_hc_head"), (L,), (256,),
+                   (ws["s0"], ws["hmix"], self.w.vec("output_hc_base.weight"), self.w.vec("output_hc_scale.weight"),
+                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F32(c.hc_eps), ws["hx"]))
+        self._norm(rec, ws["hx"], "output_norm.weight", ws["hn"], L, c.n_embd)
+        self._mv(rec, "output.weight", ws["hn"], ws["logits"])
+        K.launch_argmax(rec, ws["logits"], ws["amax"], L, c.vocab_size)

@@ -1,0 +1,244 @@
+"""Decode state of every slot in device memory, laid out as NumpyBackend lays it out.
+
+Paged (ds4ref.paging.layout): compressed KV rows of each compressed layer and the
+indexer rows of each ratio-4 layer live in pages `(n_pages, page_tokens / ratio,
+width)` per (layer, kind), addressed through per-slot block tables (int32
+`(n_slots, max_pages)` on the device). Per slot, not paged: the raw window rings
+`(n_slots, n_layer, window, head_dim)` and the compressor state per (layer, kind):
+current window `(n_slots, ratio, coff * width)` kv and score, and for ratio 4 the
+previous window's lane A `(n_slots, 4, width)` kv and score (-inf = none yet).
+
+The host side of a pass (which lane holds which row, what each lane may see) is
+computed by the pure functions at the top, which the CPU tests check directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..backend import MAX_ROWS
+from ..paging.layout import PageLayout
+from ..reference.state import ATTN, INDEX
+
+NEG_INF_BITS = 0xFF800000
+# Per-lane int32 fields written before every replay (rows of one (16,) array each).
+LANE_FIELDS = ("slot", "pos", "tok", "pstart", "flane", "last")
+
+
+# ---------------------------------------------------------------------------
+# Pure host-side logic: plan -> lanes
+# ---------------------------------------------------------------------------
+
+
+def lane_order(slots: Sequence[int]) -> list[int]:
+    """Plan rows reordered so each slot's rows sit on consecutive lanes.
+
+    The kernels find the lane of a slot's position q as flane + (q - pstart), so a
+    slot's rows must be contiguous; a plan may interleave slots. Slots keep the order
+    of their first row, rows of a slot keep plan order (= position order).
+    """
+    first: dict[int, int] = {}
+    for i, s in enumerate(slots):
+        first.setdefault(int(s), i)
+    return sorted(range(len(slots)), key=lambda i: (first[int(slots[i])], i))
+
+
+def check_rows(rows, next_pos: np.ndarray, table_sizes: Sequence[int], page_tokens: int, vocab: int,
+               max_rows: int = MAX_ROWS) -> None:
+    """The NumpyBackend's plan checks: in-order positions, mapped pages, token range.
+    Raises ValueError before any state changes."""
+    if len(rows) > max_rows:
+        raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
+    n_slots = len(next_pos)
+    expect: dict[int, int] = {}
+    for r in rows:
+        if not 0 <= r.slot < n_slots:
+            raise ValueError(f"slot {r.slot} out of range 0..{n_slots - 1}")
+        at = expect.get(r.slot, int(next_pos[r.slot]))
+        if r.position != at:
+            raise ValueError(f"slot {r.slot}: row at position {r.position}, but the slot's state is at "
+                             f"{at} (rows must arrive in order, once each)")
+        expect[r.slot] = at + 1
+        needed = r.position // page_tokens + 1
+        if needed > table_sizes[r.slot]:
+            raise ValueError(f"slot {r.slot}: position {r.position} needs {needed} mapped pages, "
+                             f"block table has {table_sizes[r.slot]}")
+        if not 0 <= r.token < vocab:
+            raise ValueError(f"slot {r.slot}: token id {r.token} out of range 0..{vocab - 1}")
+
+
+def lane_fields(rows, ratios: Sequence[int], n_lanes: int = MAX_ROWS) -> np.ndarray:
+    """int32 (len(LANE_FIELDS) + len(ratios), n_lanes) for rows already in lane order.
+
+    Padding lanes: slot -1, position 0, token 0, nothing visible. The last rows are
+    the visible compressed-row counts (pos + 1) // ratio, one per ratio in `ratios`.
+    """
+    out = np.zeros((len(LANE_FIELDS) + len(ratios), n_lanes), np.int32)
+    f = {name: out[i] for i, name in enumerate(LANE_FIELDS)}
+    f["slot"][:] = -1
+    f["flane"][:] = np.arange(n_lanes)
+    first: dict[int, tuple[int, int]] = {}
+    last: dict[int, int] = {}
+    for lane, r in enumerate(rows):
+        first.setdefault(r.slot, (lane, r.position))
+        last[r.slot] = r.position
+    for lane, r in enumerate(rows):
+        f["slot"][lane], f["pos"][lane], f["tok"][lane] = r.slot, r.position, r.token
+        f["flane"][lane], f["pstart"][lane] = first[r.slot]
+        f["last"][lane] = last[r.slot]
+        for k, ratio in enumerate(ratios):
+            out[len(LANE_FIELDS) + k, lane] = (r.position + 1) // ratio
+    return out
+
+
+def max_pages_per_slot(n_pages: int, page_tokens: int, context_length: int) -> int:
+    """Block-table width: a slot never maps more pages than its context needs."""
+    return max(1, min(n_pages, -(-context_length // page_tokens)))
+
+
+# ---------------------------------------------------------------------------
+# Device storage
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class CompState:
+    ratio: int
+    width: int
+    cur_kv: object
+    cur_sc: object
+    prev_kv: object = None
+    prev_sc: object = None
+
+
+class DeviceState:
+    """All slots' state on the device plus the host mirrors the checks need."""
+
+    def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int]):
+        self.rt, self.cfg = rt, cfg
+        self.layout = PageLayout(cfg, page_tokens)
+        self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
+        self.maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+        self.ratios = tuple(ratios)  # the ratios whose nvis rows the lanes carry
+        self._bufs = []
+        W, D = cfg.sliding_window, cfg.head_dim
+        self.ring_slot_floats = cfg.n_layer * W * D
+        self.rings = self._zeros(n_slots * self.ring_slot_floats)
+        self.comps: dict[tuple[int, str], CompState] = {}
+        self.pages: dict[tuple[int, str], object] = {}
+        for il, r in enumerate(cfg.compress_ratios):
+            kinds = [(ATTN, D)] + ([(INDEX, cfg.indexer_head_dim)] if r == 4 else []) if r else []
+            for kind, width in kinds:
+                coff = 2 if r == 4 else 1
+                cs = CompState(r, width, self._zeros(n_slots * r * coff * width),
+                               self._zeros(n_slots * r * coff * width))
+                if r == 4:
+                    cs.prev_kv = self._zeros(n_slots * 4 * width)
+                    cs.prev_sc = self._fill(n_slots * 4 * width, NEG_INF_BITS)
+                self.comps[(il, kind)] = cs
+                self.pages[(il, kind)] = self._zeros(n_pages * self.layout.rows_per_page(r) * width)
+        self.btab = self._zeros(n_slots * self.maxp)
+        self.lanes = self._zeros((len(LANE_FIELDS) + len(self.ratios)) * MAX_ROWS)
+        self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
+        self.next_pos = np.zeros(n_slots, np.int64)
+        rt.synchronize()
+
+    @staticmethod
+    def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int) -> int:
+        layout = PageLayout(cfg, page_tokens)
+        maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+        return 4 * (n_pages * layout.page_elements() + n_slots * layout.slot_elements() + n_slots * maxp)
+
+    # ---- allocation helpers ----------------------------------------------------
+    def _fill(self, n: int, bits: int):
+        buf = self.rt.malloc(max(4 * n, 4))
+        self.rt.memset32(buf, bits, max(n, 1))
+        self._bufs.append(buf)
+        return buf
+
+    def _zeros(self, n: int):
+        return self._fill(n, 0)
+
+    def free(self) -> None:
+        self.rt.synchronize()
+        for b in self._bufs:
+            b.free()
+        self._bufs = []
+
+    # ---- views the program needs ---------------------------------------------------
+    def lane(self, name: str):
+        """Device view of one per-lane field (int32[16])."""
+        from .ops import view
+        i = LANE_FIELDS.index(name)
+        return view(self.lanes, i * MAX_ROWS * 4, MAX_ROWS * 4)
+
+    def nvis(self, ratio: int):
+        from .ops import view
+        i = len(LANE_FIELDS) + self.ratios.index(ratio)
+        return view(self.lanes, i * MAX_ROWS * 4, MAX_ROWS * 4)
+
+    def ring_layer(self, il: int):
+        from .ops import view
+        W, D = self.cfg.sliding_window, self.cfg.head_dim
+        return view(self.rings, il * W * D * 4, self.rings.nbytes - il * W * D * 4)
+
+    # ---- protocol operations -------------------------------------------------------
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.n_slots - 1}")
+
+    def reset_slot(self, slot: int) -> None:
+        self.check_slot(slot)
+        rt = self.rt
+        from .ops import view
+        rt.memset32(view(self.rings, slot * self.ring_slot_floats * 4, self.ring_slot_floats * 4), 0,
+                    self.ring_slot_floats)
+        for cs in self.comps.values():
+            coff = 2 if cs.ratio == 4 else 1
+            n = cs.ratio * coff * cs.width
+            for buf in (cs.cur_kv, cs.cur_sc):
+                rt.memset32(view(buf, slot * n * 4, n * 4), 0, n)
+            if cs.ratio == 4:
+                m = 4 * cs.width
+                rt.memset32(view(cs.prev_kv, slot * m * 4, m * 4), 0, m)
+                rt.memset32(view(cs.prev_sc, slot * m * 4, m * 4), NEG_INF_BITS, m)
+        self._zero_pages(self.tables[slot])
+        self.tables[slot] = np.zeros(0, np.int64)
+        self.next_pos[slot] = 0
+        self._upload_table(slot)
+
+    def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
+        self.check_slot(slot)
+        table = np.asarray(pages, np.int64).reshape(-1)
+        if table.size and (table.min() < 0 or table.max() >= self.n_pages):
+            raise ValueError(f"slot {slot}: page id out of range 0..{self.n_pages - 1} in block table")
+        if table.size > self.maxp:
+            raise ValueError(f"slot {slot}: {table.size} pages exceed the per-slot capacity {self.maxp} "
+                             f"(context {self.cfg.context_length} tokens)")
+        old = self.tables[slot]
+        if not np.array_equal(table[: old.size], old):
+            raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")
+        self._zero_pages(table[old.size:])  # a pooled page may hold another sequence's rows
+        self.tables[slot] = table
+        self._upload_table(slot)
+
+    def write_lanes(self, fields: np.ndarray) -> None:
+        self.rt.h2d(self.lanes, np.ascontiguousarray(fields, np.int32))
+
+    # ---- internals ------------------------------------------------------------------
+    def _upload_table(self, slot: int) -> None:
+        from .ops import view
+        row = np.zeros(self.maxp, np.int32)
+        t = self.tables[slot]
+        row[: t.size] = t
+        self.rt.h2d(view(self.btab, slot * self.maxp * 4, self.maxp * 4), row)
+
+    def _zero_pages(self, pages: np.ndarray) -> None:
+        from .ops import view
+        for (il, kind), buf in self.pages.items():
+            ratio = self.cfg.compress_ratios[il]
+            n = self.layout.rows_per_page(ratio) * self.comps[(il, kind)].width
+            for p in np.asarray(pages, np.int64):
+                self.rt.memset32(view(buf, int(p) * n * 4, n * 4), 0, n)

@@ -1,0 +1,147 @@
+"""Model weights in device memory, uploaded once.
+
+Matrices (everything 2-D or 3-D read by a matvec, the embedding and the routed
+experts) keep the encoding the GGUF file stores (F32, F16, BF16, Q8_0), so the
+kernels read exactly the bytes the file holds; weights not from a GGUF file go up
+as f32. Vectors (norms, biases, HC scalars, sinks, compressor position biases) go
+up as f32, already dequantised (exact). The routing hash table goes up as int32.
+
+`random_flash` builds a Flash-shaped model straight on the device for the
+benchmark: the large matrices are filled by a kernel, never held on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tensors import is_int_tensor, tensor_shapes
+from .guards import check_weight_types
+from .ops import DeviceWeight, f32_to_bf16_bits
+
+WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}
+_GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
+
+
+@dataclass
+class DeviceTensor:
+    """A matrix or expert stack as stored: shape is the NumPy value shape."""
+    buf: object
+    wtype: str
+    shape: tuple
+
+    def as_matrix(self) -> DeviceWeight:
+        rows = int(np.prod(self.shape[:-1]))
+        return DeviceWeight(self.buf, self.wtype, rows, int(self.shape[-1]))
+
+
+def is_vector(name: str, shape) -> bool:
+    """Tensors used elementwise (f32 on the device) rather than through a matvec."""
+    return len(shape) == 1 or name.endswith("_ape.weight")
+
+
+class DeviceWeights:
+    def __init__(self, rt, config):
+        self.rt, self.config = rt, config
+        self.mats: dict[str, DeviceTensor] = {}
+        self.vecs: dict[str, object] = {}
+        self.bytes = 0
+
+    # ---- access ------------------------------------------------------------------
+    def mat(self, name: str) -> DeviceWeight:
+        return self.mats[name].as_matrix()
+
+    def tensor(self, name: str) -> DeviceTensor:
+        return self.mats[name]
+
+    def vec(self, name: str):
+        return self.vecs[name]
+
+    def free(self) -> None:
+        for t in self.mats.values():
+            t.buf.free()
+        for b in self.vecs.values():
+            b.free()
+        self.mats, self.vecs = {}, {}
+
+    # ---- building ------------------------------------------------------------------
+    def _put_vec(self, name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, np.int32 if is_int_tensor(name) else np.float32)
+        self.vecs[name] = self.rt.upload(arr)
+        self.bytes += arr.nbytes
+
+    def _put_mat(self, name: str, data: np.ndarray, wtype: str, shape) -> None:
+        data = np.ascontiguousarray(data)
+        self.mats[name] = DeviceTensor(self.rt.upload(data), wtype, tuple(shape))
+        self.bytes += data.nbytes
+
+    @classmethod
+    def from_weights(cls, rt, weights) -> "DeviceWeights":
+        """Upload a Weights object; GGUF-backed weights keep their stored encoding."""
+        self = cls(rt, weights.config)
+        stored = _stored_types(weights)
+        if stored:
+            check_weight_types(stored)
+        for name, shape in tensor_shapes(weights.config).items():
+            if is_int_tensor(name) or is_vector(name, shape):
+                self._put_vec(name, weights.get(name))
+                continue
+            wtype = _GGML_TO_WTYPE.get(stored.get(name, ""), "f32")
+            if wtype == "f32":
+                self._put_mat(name, np.asarray(weights.get(name), np.float32), "f32", shape)
+            else:
+                self._put_mat(name, _raw(weights, name, wtype), wtype, shape)
+        rt.synchronize()
+        return self
+
+    @classmethod
+    def random_flash(cls, rt, config, seed: int = 0, big: int = 1 << 21) -> "DeviceWeights":
+        """bf16 random weights for `config`; tensors over `big` elements are made by a kernel."""
+        from ..tiny import _random_tensor
+        self = cls(rt, config)
+        init = rt.compile_file("step_ops.hip").kernel("step_init_bf16")
+        for i, (name, shape) in enumerate(tensor_shapes(config).items()):
+            suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+            n = int(np.prod(shape))
+            if is_int_tensor(name) or is_vector(name, shape):
+                rng = np.random.default_rng([seed, i])
+                self._put_vec(name, _random_tensor(rng, config, suffix, tuple(shape)))
+            elif n <= big:
+                rng = np.random.default_rng([seed, i])
+                self._put_mat(name, f32_to_bf16_bits(_random_tensor(rng, config, suffix, tuple(shape))),
+                              "bf16", shape)
+            else:
+                buf = rt.malloc(2 * n)
+                # uniform(-a, a) has std a/sqrt(3): match the host init's std gain/sqrt(K)
+                std = 1.0 if suffix == "token_embd.weight" else _gain(suffix) / np.sqrt(shape[-1])
+                rt.launch(init, (4096,), (256,), (buf, np.int64(n), np.uint64(seed * 1000003 + i),
+                                                   np.float32(std * np.sqrt(3.0))))
+                self.mats[name] = DeviceTensor(buf, "bf16", tuple(shape))
+                self.bytes += 2 * n
+        rt.synchronize()
+        return self
+
+
+def _gain(suffix: str) -> float:
+    from ..tiny import _gain as tiny_gain
+    return tiny_gain(suffix)
+
+
+def _stored_types(weights) -> dict[str, str]:
+    """GGML type name per tensor for GGUF-backed weights, else {}."""
+    if not hasattr(weights, "qtype"):
+        return {}
+    out = {}
+    for name in tensor_shapes(weights.config):
+        out[name] = weights.qtype(name).name
+    return out
+
+
+def _raw(weights, name: str, wtype: str) -> np.ndarray:
+    """The file's stored values/bytes of a matrix: f16 values, bf16 bits, Q8_0 row bytes."""
+    data = np.asarray(weights.file.tensor(name).data)
+    if wtype == "bf16":
+        return data.view(np.uint16) if data.dtype != np.uint16 else data
+    if wtype == "f16":
+        return data.astype(np.float16, copy=False)
+    return data.view(np.uint8)

@@ -1,0 +1,291 @@
+// Kernels of the HIP backend's gathered pass that touch the per-slot and paged state.
+//
+// One pass holds up to 16 lanes (rows). Several lanes may belong to one slot
+// (consecutive positions). Every kernel here reads the state as it was BEFORE
+// the pass plus the pass's own per-lane buffers ("snapshot + pass"), and the
+// state is written back only by the commit kernels at the end of each layer.
+// So a later lane of a slot sees its earlier lanes' KV and compressor inputs
+// (taken from the pass buffers) and never a later lane's writes, whatever the
+// order the GPU runs blocks in. This is what lets one kernel serve all lanes.
+//
+// Per-lane inputs (int32[16] each, written by the host before every replay):
+//   slot    -1 for a padding lane
+//   pos     the lane's position
+//   pstart  position of the slot's first lane in this pass
+//   flane   lane index of that first lane (lane of position q = flane + q - pstart)
+//   last    position of the slot's last lane in this pass
+//   nvis    compressed rows visible to the lane for a given ratio: (pos + 1) / ratio
+#include "ds4_hip.h"
+
+#define ST_LANES 16
+
+// ---- compressor: candidates of the window a lane completes ----------------
+
+struct CompArgs {
+    const float* proj_kv;   // (16, CW) this pass's a @ kv.T, CW = coff * D
+    const float* proj_sc;   // (16, CW) this pass's a @ gate.T (ape not yet added)
+    const float* ape;       // (ratio, CW)
+    const float* cur_kv;    // (n_slots, ratio, CW) state before the pass
+    const float* cur_sc;
+    int ratio, CW;
+};
+
+// kv and score of column `col` at position q of the lane's slot: from the pass when
+// q >= pstart, else from the compressor's current-window state.
+__device__ __forceinline__ void comp_fetch(const CompArgs& a, int slot, int pstart, int flane, int q, int col,
+                                           float* kv, float* sc) {
+    int j = q % a.ratio;
+    if (q >= pstart) {
+        int ln = flane + (q - pstart);
+        *kv = a.proj_kv[(long long)ln * a.CW + col];
+        *sc = a.proj_sc[(long long)ln * a.CW + col] + a.ape[(long long)j * a.CW + col];
+    } else {
+        long long o = ((long long)slot * a.ratio + j) * a.CW + col;
+        *kv = a.cur_kv[o];
+        *sc = a.cur_sc[o];
+    }
+}
+
+// One thread per (lane, candidate, channel). For a lane whose position ends a
+// window (and is valid) write the pooling candidates as ops.pool_window expects:
+// ratio 4: the previous window's lane A (4 rows, cols 0..D) then this window's
+// lane B (cols D..2D); ratio 128: the window's 128 rows. Other lanes get score
+// -inf (pooled to 0, never stored). Ratio 4 also writes this window's lane A
+// (the next prev state) to nprev_kv/sc, and emit_pos = the window's first position.
+extern "C" __global__ void step_comp_gather(const float* proj_kv, const float* proj_sc, const float* ape,
+                                            const float* cur_kv, const float* cur_sc, const float* prev_kv,
+                                            const float* prev_sc, int ratio, int D, int coff,
+                                            const int* slot, const int* pos, const int* pstart,
+                                            const int* flane, float* cand_kv, float* cand_sc,
+                                            float* nprev_kv, float* nprev_sc, int* emit_pos) {
+    CompArgs a = {proj_kv, proj_sc, ape, cur_kv, cur_sc, ratio, coff * D};
+    int C = ratio == 4 ? 8 : ratio;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)ST_LANES * C * D) return;
+    int d = (int)(idx % D);
+    int c = (int)((idx / D) % C);
+    int l = (int)(idx / ((long long)D * C));
+    int s = slot[l], p = pos[l], ps = pstart[l], fl = flane[l];
+    bool emit = s >= 0 && (p + 1) % ratio == 0;
+    int w = p / ratio;
+    if (c == 0 && d == 0) emit_pos[l] = w * ratio;
+    float kv = 0.0f, sc = -DS4_INF;
+    if (emit) {
+        if (ratio != 4) {
+            comp_fetch(a, s, ps, fl, w * ratio + c, d, &kv, &sc);
+        } else if (c >= 4) {
+            comp_fetch(a, s, ps, fl, w * 4 + (c - 4), D + d, &kv, &sc);
+        } else if (w > 0) {
+            int q = (w - 1) * 4 + c;
+            if (w * 4 - 1 >= ps) {  // the previous window ended inside this pass
+                comp_fetch(a, s, ps, fl, q, d, &kv, &sc);
+            } else {                // it ended before: the prev state holds its lane A
+                long long o = ((long long)s * 4 + c) * D + d;
+                kv = prev_kv[o];
+                sc = prev_sc[o];
+            }
+        }
+        if (ratio == 4 && c < 4) {
+            float nk, ns;
+            comp_fetch(a, s, ps, fl, w * 4 + c, d, &nk, &ns);
+            long long o = ((long long)l * 4 + c) * D + d;
+            nprev_kv[o] = nk;
+            nprev_sc[o] = ns;
+        }
+    }
+    long long o = ((long long)l * C + c) * D + d;
+    cand_kv[o] = kv;
+    cand_sc[o] = sc;
+}
+
+// Store the finished compressed row of each emitting lane at row index pos/ratio of
+// its slot's pages: page = block_table[slot][idx / per], offset idx % per.
+extern "C" __global__ void step_comp_store(const float* rows, float* store, const int* btab, int maxp, int per,
+                                           int ratio, int D, const int* slot, const int* pos) {
+    int l = blockIdx.x;
+    int s = slot[l], p = pos[l];
+    if (s < 0 || (p + 1) % ratio) return;
+    int w = p / ratio;
+    int page = btab[(long long)s * maxp + w / per];
+    float* dst = store + ((long long)page * per + (w % per)) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = rows[(long long)l * D + i];
+}
+
+// Write the pass back into the compressor state, as token-by-token feeding would
+// leave it: cur[pos % ratio] from the last lane of the slot with that remainder
+// (pos > last - ratio), and for ratio 4 prev = lane A of the slot's last completed
+// window in this pass. One thread per (lane, column).
+extern "C" __global__ void step_comp_commit(const float* proj_kv, const float* proj_sc, const float* ape,
+                                            float* cur_kv, float* cur_sc, const float* nprev_kv,
+                                            const float* nprev_sc, float* prev_kv, float* prev_sc, int ratio,
+                                            int D, int coff, const int* slot, const int* pos, const int* last) {
+    int CW = coff * D;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)ST_LANES * CW) return;
+    int col = (int)(idx % CW), l = (int)(idx / CW);
+    int s = slot[l], p = pos[l], lp = last[l];
+    if (s < 0) return;
+    int j = p % ratio;
+    if (p > lp - ratio) {
+        long long o = ((long long)s * ratio + j) * CW + col;
+        cur_kv[o] = proj_kv[(long long)l * CW + col];
+        cur_sc[o] = proj_sc[(long long)l * CW + col] + ape[(long long)j * CW + col];
+    }
+    if (ratio == 4 && (p + 1) % 4 == 0 && p + 4 > lp && col < D) {
+        for (int jj = 0; jj < 4; ++jj) {
+            long long o = ((long long)s * 4 + jj) * D + col;
+            long long n = ((long long)l * 4 + jj) * D + col;
+            prev_kv[o] = nprev_kv[n];
+            prev_sc[o] = nprev_sc[n];
+        }
+    }
+}
+
+// Raw window ring: ring[slot][pos % W] = kv of the lane, for the last W positions of
+// the slot in this pass. ring points at this layer's rows; slot stride in floats.
+extern "C" __global__ void step_ring_commit(const float* kv, float* ring, long long slot_stride, int W, int D,
+                                            const int* slot, const int* pos, const int* last) {
+    int l = blockIdx.x;
+    int s = slot[l], p = pos[l];
+    if (s < 0 || p <= last[l] - W) return;
+    float* dst = ring + (long long)s * slot_stride + (long long)(p % W) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = kv[(long long)l * D + i];
+}
+
+// ---- lightning indexer over paged rows ------------------------------------
+
+#define IX_WARPS 8
+#define IX_QMAX 8192   // Hi * Di staged floats
+#define IX_DPL 4       // Di <= 128
+
+// score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], -inf beyond,
+// row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
+extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
+step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw, float scale,
+                   const float* __restrict__ store, const int* __restrict__ btab, int maxp, int per,
+                   const int* __restrict__ slot, const int* __restrict__ nvis, float* __restrict__ out,
+                   int Hi, int Di, int ncap) {
+    __shared__ __align__(16) float qs[IX_QMAX];
+    __shared__ float ws[64 * 4];
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int l = blockIdx.y;
+    int s = slot[l], n_ok = s >= 0 ? nvis[l] : 0;
+    for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) qs[i] = qi[(long long)l * Hi * Di + i];
+    for (int i = threadIdx.x; i < Hi; i += blockDim.x) ws[i] = wraw[(long long)l * Hi + i] * scale;
+    __syncthreads();
+    int nd = Di / DS4_WARP;
+    for (int n = blockIdx.x * IX_WARPS + warp; n < ncap; n += gridDim.x * IX_WARPS) {
+        if (n >= n_ok) {
+            if (lane == 0) out[(long long)l * ncap + n] = -DS4_INF;
+            continue;
+        }
+        int page = btab[(long long)s * maxp + n / per];
+        const float* kr = store + ((long long)page * per + n % per) * Di;
+        float kv[IX_DPL];
+        for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? kr[lane + DS4_WARP * t] : 0.0f;
+        float total = 0.0f;
+        for (int h = 0; h < Hi; ++h) {
+            float part = 0.0f;
+            for (int t = 0; t < IX_DPL; ++t)
+                if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
+            float dot = ds4_warp_sum(part);
+            total += fmaxf(dot, 0.0f) * ws[h];
+        }
+        if (lane == 0) out[(long long)l * ncap + n] = total;
+    }
+}
+
+// ---- attention with sinks over ring + pass + paged compressed rows ---------
+
+#define AT_WARPS 8     // heads per block
+#define AT_KT 8        // key rows staged per step
+#define AT_DMAX 512
+#define AT_DPL (AT_DMAX / DS4_WARP)
+
+struct KeySrc {
+    const float* pass_kv;  // (16, D) this pass's roped KV rows
+    const float* ring;     // this layer's ring rows; slot stride ring_stride
+    long long ring_stride;
+    const float* store;    // compressed rows of this layer (n_pages, per, D), or null
+    const int* btab;
+    const int* sel;        // (16, ksel) selected row indices (ascending, -1 padded) or null = all
+    int maxp, per, ksel, W, D;
+};
+
+// Pointer to key number n of the lane: raw positions lo..pos first (oldest first), then
+// the compressed rows in index order.
+__device__ __forceinline__ const float* key_row(const KeySrc& k, int l, int s, int lo, int nraw, int pstart,
+                                                int flane, int n) {
+    if (n < nraw) {
+        int q = lo + n;
+        if (q >= pstart) return k.pass_kv + (long long)(flane + q - pstart) * k.D;
+        return k.ring + (long long)s * k.ring_stride + (long long)(q % k.W) * k.D;
+    }
+    int t = n - nraw;
+    int r = k.sel ? k.sel[(long long)l * k.ksel + t] : t;
+    int page = k.btab[(long long)s * k.maxp + r / k.per];
+    return k.store + ((long long)page * k.per + r % k.per) * k.D;
+}
+
+// Block = (tile of 8 heads, lane); warp w is head tile*8+w. Online softmax over the
+// keys in their fixed order; the sink adds to the denominator only. Padding lanes
+// write zeros.
+extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
+step_attention(const float* __restrict__ q, const float* pass_kv, const float* ring, long long ring_stride,
+               const float* store, const int* btab, int maxp, int per, const int* sel, int ksel,
+               const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
+               const float* __restrict__ sinks, float* __restrict__ out, int H, int D, int W, float scale) {
+    __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
+    KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D};
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int l = blockIdx.y;
+    int h = blockIdx.x * AT_WARPS + warp;
+    int s = slot[l], p = pos[l];
+    int lo = p - W + 1 > 0 ? p - W + 1 : 0;
+    int nraw = s >= 0 ? p - lo + 1 : 0;
+    int ncomp = 0;
+    if (s >= 0 && store) {
+        ncomp = nvis[l];
+        if (sel && ncomp > ksel) ncomp = ksel;
+    }
+    int total = nraw + ncomp;
+    int nd = D / DS4_WARP;
+    bool active = h < H;
+    float qv[AT_DPL], acc[AT_DPL];
+    for (int t = 0; t < AT_DPL; ++t) {
+        qv[t] = (active && t < nd) ? q[((long long)l * H + h) * D + lane + DS4_WARP * t] : 0.0f;
+        acc[t] = 0.0f;
+    }
+    float m = -DS4_INF, den = 0.0f;
+    for (int n0 = 0; n0 < total; n0 += AT_KT) {
+        int nk = total - n0 < AT_KT ? total - n0 : AT_KT;
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < nk * D; idx += blockDim.x) {
+            int rr = idx / D, dd = idx % D;
+            ks[rr * AT_DMAX + dd] = key_row(k, l, s, lo, nraw, pstart[l], flane[l], n0 + rr)[dd];
+        }
+        __syncthreads();
+        if (!active) continue;
+        for (int rr = 0; rr < nk; ++rr) {
+            const float* kr = ks + rr * AT_DMAX;
+            float part = 0.0f;
+            for (int t = 0; t < AT_DPL; ++t)
+                if (t < nd) part += qv[t] * kr[lane + DS4_WARP * t];
+            float sc = ds4_warp_sum(part) * scale;
+            float mn = fmaxf(m, sc);
+            float c = expf(m - mn);  // 0 while m is -inf (acc and den are 0 then)
+            float e = expf(sc - mn);
+            den = den * c + e;
+            for (int t = 0; t < AT_DPL; ++t)
+                if (t < nd) acc[t] = acc[t] * c + e * kr[lane + DS4_WARP * t];
+            m = mn;
+        }
+    }
+    if (!active) return;
+    float sk = sinks[h];
+    float mf = fmaxf(m, sk);
+    float c = expf(m - mf);
+    float dtot = den * c + expf(sk - mf);
+    for (int t = 0; t < nd; ++t)
+        out[((long long)l * H + h) * D + lane + DS4_WARP * t] = s >= 0 ? acc[t] * c / dtot : 0.0f;
+}
