@@ -55,6 +55,9 @@ class LazyRandomWeights(Weights):
     def _load_expert(self, name, e):
         return self._make(f"{name}#{e}", self.shape(name)[1:])
 
+    def with_dtype(self, dtype):
+        return LazyRandomWeights(self.config, dtype)
+
 
 def tiny_tokens_per_second(n_prompt: int = 64, n_new: int = 128) -> dict:
     model = ds4ref.load()

@@ -8,6 +8,7 @@ dequantises only that expert's slice.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Mapping
 
@@ -44,7 +45,7 @@ def check_tensor_shapes(config: DS4Config, shapes: Mapping[str, tuple[int, ...]]
             raise WeightsError(f"{where}: tensor {name!r} has NumPy shape {found}, expected {tuple(expected)}")
 
 
-class Weights:
+class Weights(ABC):
     """Base class: caching and expert slicing on top of two loaders.
 
     Subclasses implement `_load(name)` (the whole tensor, any float or int
@@ -62,8 +63,9 @@ class Weights:
         self.max_cached_experts = max_cached_experts
 
     # ---- what subclasses provide ----------------------------------------
+    @abstractmethod
     def _load(self, name: str) -> np.ndarray:
-        raise NotImplementedError
+        """The whole tensor as stored (any float or int dtype)."""
 
     def _load_expert(self, name: str, e: int) -> np.ndarray:
         return self._load(name)[e]
@@ -72,8 +74,9 @@ class Weights:
         """Names of every tensor the model needs (all are present once constructed)."""
         return list(self._shapes)
 
+    @abstractmethod
     def with_dtype(self, dtype) -> "Weights":
-        raise NotImplementedError
+        """The same tensors read as another float dtype (shares the source, not the cache)."""
 
     # ---- the interface the math uses ------------------------------------
     def shape(self, name: str) -> tuple[int, ...]:
