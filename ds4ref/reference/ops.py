@@ -194,6 +194,14 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def _hc_mix(streams: np.ndarray, fn: np.ndarray, rms_eps: float) -> np.ndarray:
+    """Mixing logits: fn applied to the RMS-normalised flattened (stream-major) streams."""
+    n, hc, d = streams.shape
+    f = streams.reshape(n, hc * d)
+    r = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + f.dtype.type(rms_eps))
+    return (f @ fn.T) * r
+
+
 def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray,
            rms_eps: float, hc_eps: float, iters: int):
     """streams (N, hc, d) -> block input u (N, d), post (N, hc), comb (N, hc, hc).
@@ -201,13 +209,11 @@ def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndar
     comb[i, j] mixes old stream i into new stream j; the softmax runs over j.
     """
     n, hc, d = streams.shape
-    f = streams.reshape(n, hc * d)
-    r = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + f.dtype.type(rms_eps))
-    m = (f @ fn.T) * r
-    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + f.dtype.type(hc_eps)
+    m = _hc_mix(streams, fn, rms_eps)
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + m.dtype.type(hc_eps)
     post = 2.0 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = m[:, 2 * hc:] * scale[2] + base[2 * hc:]
-    comb = softmax(logits.reshape(n, hc, hc), axis=-1) + f.dtype.type(hc_eps)
+    comb = softmax(logits.reshape(n, hc, hc), axis=-1) + m.dtype.type(hc_eps)
     comb = _sinkhorn(comb, iters, hc_eps)
     u = np.einsum("nk,nkd->nd", pre, streams)
     return u, post, comb
@@ -220,11 +226,8 @@ def hc_post(streams: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarr
 
 def hc_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray,
             rms_eps: float, hc_eps: float) -> np.ndarray:
-    n, hc, d = streams.shape
-    f = streams.reshape(n, hc * d)
-    r = 1.0 / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + f.dtype.type(rms_eps))
-    m = (f @ fn.T) * r
-    pre = sigmoid(m * scale[0] + base) + f.dtype.type(hc_eps)
+    m = _hc_mix(streams, fn, rms_eps)
+    pre = sigmoid(m * scale[0] + base) + m.dtype.type(hc_eps)
     return np.einsum("nk,nkd->nd", pre, streams)
 
 

@@ -442,16 +442,12 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    extra = {"usage": None} if include_usage else {}
+async def _sse_frame(gen: Generation, head: dict, include_usage: bool, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """What both streams share: the body's chunks, the usage chunk if asked, an error
+    as an event, and the closing [DONE]."""
     try:
-        async for deltas, infos in gen.events():
-            text = "".join(d.text for d in deltas if d.channel == CONTENT)
-            if text or infos:
-                yield sse(dict(head, choices=[{"index": 0, "text": text, "logprobs": _completion_logprobs(infos),
-                                               "finish_reason": None}], **extra))
-        yield sse(dict(head, choices=[{"index": 0, "text": "", "logprobs": None,
-                                       "finish_reason": gen.finish_reason}], **extra))
+        async for chunk in body:
+            yield chunk
         if include_usage:
             yield sse(dict(head, choices=[], usage=gen.usage()))
     except APIError as e:
@@ -461,7 +457,24 @@ async def _completion_stream(gen: Generation, head: dict, include_usage: bool) -
     yield "data: [DONE]\n\n"
 
 
-async def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
+def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: str, logprobs: Optional[dict], finish: Optional[str]) -> str:
+        return sse(dict(head, choices=[{"index": 0, "text": text, "logprobs": logprobs,
+                                        "finish_reason": finish}], **extra))
+
+    async def body() -> AsyncIterator[str]:
+        async for deltas, infos in gen.events():
+            text = "".join(d.text for d in deltas if d.channel == CONTENT)
+            if text or infos:
+                yield chunk(text, _completion_logprobs(infos), None)
+        yield chunk("", None, gen.finish_reason)
+
+    return _sse_frame(gen, head, include_usage, body())
+
+
+def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[str]:
     head = dict(head, object="chat.completion.chunk")
     extra = {"usage": None} if include_usage else {}
 
@@ -469,7 +482,7 @@ async def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> Asyn
         return sse(dict(head, choices=[{"index": 0, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": finish}], **extra))
 
-    try:
+    async def body() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""})
         async for deltas, infos in gen.events():
             delta: dict = {}
@@ -482,10 +495,5 @@ async def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> Asyn
             if delta or infos:
                 yield chunk(delta, _chat_logprobs(infos))
         yield chunk({}, None, gen.finish_reason)
-        if include_usage:
-            yield sse(dict(head, choices=[], usage=gen.usage()))
-    except APIError as e:
-        yield _error_event(e)
-    finally:
-        gen.close()
-    yield "data: [DONE]\n\n"
+
+    return _sse_frame(gen, head, include_usage, body())
