@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ from ds4ref.hip.runtime import get_runtime
 
 F32, I32 = np.float32, np.int32
 L2_BYTES = 64 << 20   # rotate inputs until a replay touches more than ~4x L2
+VERSIONS = os.environ.get("DS4REF_BENCH_VERSIONS", "v3,v3 r1,v3 r2,v3 r4").split(",")
 
 
 def median_ms(rt, fn, repeats=15):
@@ -139,11 +141,14 @@ def bench_matvecs(b, L):
     for name, n, k, wt in cases:
         ws, wbytes = weights(b, n, k, wt)
         x, y = b.up(b.rnd(L, k)), b.out((L, n))
-        for ver in ("v2", "v1"):
-            g.KERNELS = ver
+        for ver in VERSIONS:  # v3 rN: rows per warp forced; v3: the shipped policy
+            g.KERNELS = ver.split()[0]
+            if " r" in ver:
+                os.environ["DS4REF_MATVEC_RPW"] = ver.split(" r")[1]
             b.add(f"{name} [{ver}]", L, wbytes + 4 * L * (k + n),
                   [lambda w=w: g.launch_matvec(rt, w, x, y, L) for w in ws], f"{len(ws)} weight copies")
-        g.KERNELS = "v2"
+            os.environ.pop("DS4REF_MATVEC_RPW", None)
+        g.KERNELS = "v3"
     # grouped output A: 8 groups x 1024 rows, 4096 inputs each
     ws, wbytes = weights(b, 8 * 1024, 4096, "q8_0")
     x, y = b.up(b.rnd(L, 8 * 4096)), b.out((L, 8 * 1024))
@@ -165,24 +170,26 @@ def bench_small(b, L):
     u, post, comb = b.out((L, d)), b.out((L, hc)), b.out((L, hc, hc))
     k_fin = g.kernel(rt, "hc", "ds4_hc_pre_finish")
 
+    part = b.out((g.ksplit_floats(mixn, hc * d) or 1,))
+
     def hc_pre(fw):
-        g.launch_matvec(rt, fw, st, mix, L)
+        g.launch_matvec(rt, fw, st, mix, L, part=part)
         rt.launch(k_fin, (L,), (256,), (st, mix, base, scale, I32(hc), I32(d), F32(1e-6), np.float64(1e-6),
                                         I32(20), u, post, comb))
-    b.add("hc_pre (proj + sinkhorn) hc=4", L, fbytes + 4 * L * (2 * hc * d + d),
+    b.add("hc_pre (K-split proj + sinkhorn) hc=4", L, fbytes + 4 * L * (2 * hc * d + d),
           [lambda fw=fw: hc_pre(fw) for fw in fws])
     # attention: 64 heads x 512, ring 128 + 512 selected compressed rows
     Wc, Cc = 128, 512
     q, out, sinks = b.up(b.rnd(L, H, D, scale=0.1)), b.out((L, H, D)), b.up(b.rnd(H))
     ring, comp = b.up(b.rnd(L, Wc, D)), b.up(b.rnd(L, Cc, D))
     rm, cm = b.up(np.ones((L, Wc), np.uint8)), b.up(np.ones((L, Cc), np.uint8))
-    for ver in ("v2", "v1"):
+    for ver in ("v2",):
         g.KERNELS = ver
         scr = g.attention_scratch(rt, L, H, D, Wc + Cc)
         b.keep.extend(scr or ())
         b.add(f"attention 64h x 512, 128 ring + 512 comp [{ver}]", L, 4 * L * ((Wc + Cc) * D + 2 * H * D),
               [lambda scr=scr: g.launch_attention(rt, q, ring, rm, Wc, comp, cm, Cc, sinks, out, L, H, D, scr)])
-    g.KERNELS = "v2"
+    g.KERNELS = "v3"
     # indexer over 8192 compressed rows (32K tokens), 64 heads x 128, then top-512
     n, Hi, Di = 8192, 64, 128
     qi, wi, keys = b.up(b.rnd(L, Hi, Di)), b.up(b.rnd(L, Hi)), b.up(b.rnd(L, n, Di))

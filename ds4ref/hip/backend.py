@@ -34,6 +34,8 @@ from .guards import DeviceMemoryError, open_device
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 L = MAX_ROWS
+# rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16); DS4REF_EXPERT_RPW overrides
+EXPERT_RPW = int(os.environ.get("DS4REF_EXPERT_RPW", "2"))
 
 
 def _blocks(n: int, per: int) -> int:
@@ -192,11 +194,29 @@ class HipBackend:
             "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
         }
         i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1}
+        # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
+        ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols) for t in self.w.mats.values()] + [1])
+        f32["ksplit"] = -(-ksf // L)
+        self.at_nz = _blocks(self.max_keys(), K.AT3_SPLIT)
+        f32["at_m"] = f32["at_den"] = c.n_head * self.at_nz
+        f32["at_acc"] = c.n_head * self.at_nz * D
         for name, n in list(f32.items()) + list(i32.items()):
             buf = self.rt.malloc(4 * L * n)
             self.rt.memset32(buf, 0, L * n)
             self._ws[name] = buf
         self.rt.synchronize()
+
+    def max_keys(self) -> int:
+        """The most keys one lane's attention can read in any layer: the raw window plus the
+        visible compressed rows (at most the top-k for ratio 4, context / ratio otherwise)."""
+        c = self.cfg
+        most = c.sliding_window
+        for r in c.compress_ratios:
+            if r == 4:
+                most = max(most, c.sliding_window + c.indexer_top_k)
+            elif r:
+                most = max(most, c.sliding_window + c.context_length // r + 1)
+        return most
 
     # ---- the pass --------------------------------------------------------------------------
     def _build(self, rec: Recorder) -> None:
@@ -213,6 +233,8 @@ class HipBackend:
 
     # small launch helpers ---------------------------------------------------------------
     def _mv(self, rec, name, x, y, **kw):
+        if K.KERNELS == "v3":  # padding lanes past the last row are skipped on the device
+            kw.update(lane_slot=self.state.lane("slot"), part=self._ws["ksplit"])
         K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
 
     def _norm(self, rec, x, wname, y, rows, D):
@@ -344,6 +366,18 @@ class HipBackend:
         per = st.layout.rows_per_page(ratio) if ratio else 1
         nvis = st.nvis(ratio) if ratio else st.lane("slot")  # unused without a store
         kso = rec.compile_file("step_state.hip").kernel
+        if K.KERNELS == "v3":
+            sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
+            rec.launch(kso("step_attention_split"), (_blocks(H, 8), L, self.at_nz), (256,),
+                       (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
+                        I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
+                        st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
+                        F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
+            rec.launch(kso("step_attention_combine"), (H, L), (128,),
+                       (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
+                        nvis, sel, I32(c.indexer_top_k), I32(c.sliding_window), I32(H), I32(D), I32(self.at_nz),
+                        ws["o"]))
+            return
         rec.launch(kso("step_attention"), (_blocks(H, 8), L), (256,),
                    (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
                     I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
@@ -410,6 +444,12 @@ class HipBackend:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
         ko = rec.compile_file("step_ops.hip").kernel
+        if K.KERNELS == "v3":
+            r = EXPERT_RPW if t.wtype in ("bf16",) or EXPERT_RPW <= 2 else 2
+            rec.launch(ko(f"step_experts3_{t.wtype}_r{r}"), (_blocks(N, 8 * r), E), (256,),
+                       (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
+                        I32(self.cfg.n_expert_used)))
+            return
         rec.launch(ko(f"step_experts_{t.wtype}"), (_blocks(N, 16), E), (256,),
                    (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
                     I32(self.cfg.n_expert_used)))

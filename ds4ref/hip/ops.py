@@ -22,9 +22,11 @@ from .runtime import DeviceBuffer, Runtime, get_runtime
 I32, F32, F64 = np.int32, np.float32, np.float64
 NAN_BITS = 0x7FC00000
 MAX_LANES = 16
-# v2 (default): matvec with wide staging and batched loads, key-split attention.
+# v3 (default): matvec v3 (swizzled staging, rows per warp, active lanes only, K-split
+# for few-row matrices); attention as v2.
+# v2: matvec with wide staging and batched loads, key-split attention.
 # v1: the first, simplest versions, kept as the known-good fallback.
-KERNELS = os.environ.get("DS4REF_KERNELS", "v2")
+KERNELS = os.environ.get("DS4REF_KERNELS", "v3")
 WTYPES = ("f32", "f16", "bf16", "q8_0")
 _SOURCES = {
     "norm": "norm.hip", "rope": "rope.hip", "quant": "quant.hip", "matvec": "matvec.hip",
@@ -272,12 +274,32 @@ class DeviceWeight:
 
 
 def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int, *, groups: int = 1,
-                  ldx: int | None = None, xg: int = 0, ldy: int | None = None) -> None:
-    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L <= 16, N = rows / groups."""
+                  ldx: int | None = None, xg: int = 0, ldy: int | None = None,
+                  lane_slot: DeviceBuffer | None = None, part: DeviceBuffer | None = None) -> None:
+    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L <= 16, N = rows / groups.
+
+    v3 only: `lane_slot` (int32[16] slot ids, -1 = padding) limits the work to lanes up to
+    the last one with a slot (later lanes' y is left as it was); `part` is scratch for the
+    fixed K-split of few-row matrices (matvec_ksplit); without it they run unsplit."""
     _need(1 <= L <= MAX_LANES, f"matvec: {L} lanes, the kernel takes 1..{MAX_LANES}")
     n = w.rows // groups
     ldx = ldx if ldx is not None else w.cols
     ldy = ldy if ldy is not None else w.rows
+    if KERNELS == "v3":
+        ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
+        if ks and part is not None:
+            nsplit = -(-w.cols // ks)
+            _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols), "matvec: K-split scratch too small")
+            rpw = 1
+            rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"), (_blocks(n, 8 * rpw), 1, nsplit),
+                      (256,), (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
+            rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(MAX_LANES * n, 256),), (256,),
+                      (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
+            return
+        rpw = matvec_rows_per_warp(rt, n * groups)
+        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups), (256,),
+                  (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
+        return
     # v1 and v2 give bitwise-identical results (tests/gpu checks it), so this choice is
     # free to depend on the shape and even the lane count. Measured on the H200
     # (docs/perf_ops_gpu.md): v2 wins for matrices of <= 2048 rows, v1 above.
@@ -292,18 +314,52 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
 
 
 MATVEC2_MAX_ROWS = 2048
+# v3 K-split: matrices of at most KSPLIT_MAX_ROWS rows and at least 4 * KSPLIT_COLS columns
+# (hc projections 24 x 16384, router, indexer weights) are cut into KSPLIT_COLS-column slices,
+# so they occupy rows/8 x K/512 blocks instead of rows/8. The slice width depends on the shape
+# only; the slices are summed in order (ds4_matvec3_ksum).
+KSPLIT_COLS = 512
+KSPLIT_MAX_ROWS = 64
+
+
+def matvec_ksplit(rows: int, cols: int) -> int:
+    """Columns per slice of the fixed K-split for this shape, 0 = not split."""
+    return KSPLIT_COLS if rows <= KSPLIT_MAX_ROWS and cols >= 4 * KSPLIT_COLS else 0
+
+
+def ksplit_floats(rows: int, cols: int) -> int:
+    """Scratch floats the K-split of this shape needs (16 lanes x rows x slices)."""
+    ks = matvec_ksplit(rows, cols)
+    return MAX_LANES * rows * -(-cols // ks) if ks else 0
 
 
 def matvec_rows_per_warp(rt, rows: int) -> int:
-    """Rows per warp for the v2 kernel. The r2/r4 variants are tested but were slower on the
-    H200 (202 registers for r4: low occupancy), so only r1 is chosen; DS4REF_MATVEC_RPW
-    forces one for experiments."""
+    """Rows per warp. v2: only r1 is chosen (r2/r4 tested but slower on the H200: 202
+    registers for r4). v3: by the matrix's row count (RPW3_POLICY: the smallest row count
+    from which each R is used); DS4REF_MATVEC_RPW forces one for experiments."""
     forced = os.environ.get("DS4REF_MATVEC_RPW")
     if forced:
         if forced not in ("1", "2", "4"):
             raise UnsupportedShapeError(f"DS4REF_MATVEC_RPW={forced!r} is not 1, 2 or 4")
         return int(forced)
+    if KERNELS == "v3":
+        r = 1
+        for rpw, min_rows in RPW3_POLICY:
+            if rows >= min_rows:
+                r = rpw
+        return r
     return 1
+
+
+# measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
+# r2 above at 1 and 16 lanes; r4 (208 registers, one block per SM) never won
+RPW3_POLICY = ((2, 2049),)
+
+
+def ksplit_scratch(rt, dw: DeviceWeight) -> DeviceBuffer | None:
+    """A K-split scratch buffer for this weight under v3, or None when it is not split."""
+    n = ksplit_floats(dw.rows, dw.cols) if KERNELS == "v3" else 0
+    return rt.malloc(4 * n) if n else None
 
 
 def matvec(w, x, wtype=None, rt=None):
@@ -313,6 +369,7 @@ def matvec(w, x, wtype=None, rt=None):
     squeeze = x.ndim == 1
     x2 = x.reshape(-1, x.shape[-1])
     dw = DeviceWeight.upload(rt, w, wtype)
+    part = ksplit_scratch(rt, dw)
     try:
         _need(x2.shape[1] == dw.cols, f"matvec: x has {x2.shape[1]} columns, W has {dw.cols}")
         outs = []
@@ -320,10 +377,12 @@ def matvec(w, x, wtype=None, rt=None):
             xc = x2[c0:c0 + MAX_LANES]
             with _Scope(rt) as s:
                 y = s.out((xc.shape[0], dw.rows))
-                launch_matvec(rt, dw, s.up(xc), y, xc.shape[0])
+                launch_matvec(rt, dw, s.up(xc), y, xc.shape[0], part=part)
                 outs.append(s.get(y, (xc.shape[0], dw.rows)))
     finally:
         dw.buf.free()
+        if part is not None:
+            part.free()
     y = np.concatenate(outs, axis=0) if outs else np.zeros((0, dw.rows), F32)
     return y[0] if squeeze else y
 
@@ -372,6 +431,7 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
     mixn = 2 * hc + hc * hc
     fw = DeviceWeight.upload(rt, _f32(fn))
     _need(fw.rows == mixn and fw.cols == hc * d, f"hc_pre: fn is {fn.shape}, expected ({mixn}, {hc * d})")
+    part = ksplit_scratch(rt, fw)
     try:
         with _Scope(rt) as s:
             sb = s.up(streams)
@@ -379,7 +439,7 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
             for c0 in range(0, n, MAX_LANES):  # the projection f @ fn.T, 16 rows at a time
                 L = min(MAX_LANES, n - c0)
                 launch_matvec(rt, fw, view(sb, c0 * hc * d * 4, L * hc * d * 4),
-                              view(mix, c0 * mixn * 4, L * mixn * 4), L)
+                              view(mix, c0 * mixn * 4, L * mixn * 4), L, part=part)
             u, post, comb = s.out((n, d)), s.out((n, hc)), s.out((n, hc, hc))
             rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(n, 1),), (256,),
                       (sb, mix, s.up(_f32(base)), s.up(_f32(scale)), I32(hc), I32(d), F32(rms_eps),
@@ -387,6 +447,8 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
             return s.get(u, (n, d)), s.get(post, (n, hc)), s.get(comb, (n, hc, hc))
     finally:
         fw.buf.free()
+        if part is not None:
+            part.free()
 
 
 def view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
@@ -416,6 +478,7 @@ AT_DMAX = 512
 
 
 AT_SPLIT = 32  # keys per split (v2): fixed, so a lane's arithmetic never depends on the batch
+AT3_SPLIT = 32  # keys per slice of the backend's step_attention_split (step_state.hip)
 
 
 def attention_scratch(rt, L, H, D, total):

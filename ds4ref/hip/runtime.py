@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -56,8 +57,20 @@ def load_source(filename: str) -> str:
     path = KERNEL_DIR / filename
     if not path.exists():
         raise FileNotFoundError(f"kernel source {path} does not exist")
-    header = (KERNEL_DIR / HEADER).read_text()
-    return path.read_text().replace(f'#include "{HEADER}"', header)
+    seen: set[str] = set()
+
+    def inline(text: str) -> str:
+        # each local header (kernels/*.h) is pasted once, at its first #include;
+        # later includes of it (from other headers) become empty
+        def paste(m: "re.Match[str]") -> str:
+            name = m.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return inline((KERNEL_DIR / name).read_text())
+        return re.sub(r'^#include "([A-Za-z0-9_]+\.h)"[ \t]*$', paste, text, flags=re.M)
+
+    return inline(path.read_text())
 
 
 class DeviceBuffer:

@@ -323,12 +323,66 @@ def test_matvec_v2_bitwise_equals_v1(rt, monkeypatch, wtype, n, k, L):
     x = rnd(L, L, k)
     monkeypatch.setattr(g, "KERNELS", "v1")
     y1 = g.matvec(w, x, wtype=wtype, rt=rt)
-    monkeypatch.setattr(g, "KERNELS", "v2")
     monkeypatch.setattr(g, "MATVEC2_MAX_ROWS", 1 << 30)  # force v2 for every shape here
-    for rpw in ("1", "2", "4"):
-        monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
-        y2 = g.matvec(w, x, wtype=wtype, rt=rt)
-        assert np.array_equal(y1, y2), rpw
+    for ver in ("v2", "v3"):
+        monkeypatch.setattr(g, "KERNELS", ver)
+        for rpw in ("1", "2", "4"):
+            monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
+            y2 = g.matvec(w, x, wtype=wtype, rt=rt)
+            assert np.array_equal(y1, y2), (ver, rpw)
+
+
+@pytest.mark.parametrize("wtype", ["f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("n_active", [1, 5, 16])
+def test_matvec_v3_lane_slot_skips_padding(rt, monkeypatch, wtype, n_active):
+    """v3 with the backend's lane_slot: lanes past the last slot are not written (still NaN),
+    active lanes are bitwise what a plain 16-lane call gives, for every rows-per-warp."""
+    monkeypatch.setattr(g, "KERNELS", "v3")
+    n, k = 700, 4096 + 256
+    w, _ = make_weight(11, n, k, wtype)
+    x = rnd(12, 16, k)
+    full = g.matvec(w, x, wtype=wtype, rt=rt)
+    slots = np.full(16, -1, np.int32)
+    slots[:n_active] = np.arange(n_active) + 3
+    dw = g.DeviceWeight.upload(rt, w, wtype)
+    try:
+        for rpw in ("1", "2", "4"):
+            monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
+            with g._Scope(rt) as s:
+                y = s.out((16, n))
+                g.launch_matvec(rt, dw, s.up(x), y, 16, lane_slot=s.up(slots))
+                got = s.get(y, (16, n))
+            assert np.array_equal(got[:n_active], full[:n_active]), rpw
+            assert np.all(np.isnan(got[n_active:])), rpw
+    finally:
+        dw.buf.free()
+
+
+@pytest.mark.parametrize("wtype", ["f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("n,k", [(24, 16384), (4, 16384), (64, 4096 + 96)])
+def test_matvec_v3_ksplit(rt, monkeypatch, wtype, n, k):
+    """The fixed K-split (few rows, long rows): against float64, and a lane alone vs among 16."""
+    monkeypatch.setattr(g, "KERNELS", "v3")
+    assert g.matvec_ksplit(n, k)
+    w, wf = make_weight(n * 7 + k, n, k, wtype)
+    x = rnd(n + k, 16, k)
+    among = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert rel(among, x.astype(F64) @ wf.astype(F64).T) <= 1e-5
+    for l in (0, 9):
+        assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], among[l])
+
+
+def test_hc_pre_flash_width(rt):
+    """hc_pre at the Flash width (hc 4 x 4096: the K-split projection) against float64."""
+    N, hc, d, iters = 16, 4, 4096, 20
+    mix = 2 * hc + hc * hc
+    s = rnd(5, N, hc, d)
+    fn = rnd(6, mix, hc * d, scale=0.01)
+    base, scale = rnd(7, mix, scale=0.5), np.abs(rnd(8, 3)) + 0.5
+    u, post, comb = g.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters, rt=rt)
+    wu, wpost, wcomb = ref.hc_pre(s.astype(F64), fn.astype(F64), base.astype(F64), scale.astype(F64),
+                                  1e-6, 1e-6, iters)
+    assert rel(u, wu) <= 1e-5 and rel(post, wpost) <= 1e-5 and rel(comb, wcomb) <= 1e-5
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])

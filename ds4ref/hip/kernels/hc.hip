@@ -24,10 +24,43 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
     ss = ds4_block_sum(ss, scratch);
-    if (threadIdx.x == 0) {
-        float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
-        float eps32 = (float)hc_eps;
-        const float* mr = mix_raw + (long long)n * mixn;
+    float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
+    float eps32 = (float)hc_eps;
+    const float* mr = mix_raw + (long long)n * mixn;
+    if (hc * hc <= DS4_WARP) {
+        // Warp 0, one comb entry (i, j) per lane k = i*hc + j. Every sum runs over the
+        // same terms in the same order as the serial version below (each lane of a row
+        // or column adds the row's/column's entries, fetched by shuffle, in index order),
+        // and each entry is divided by that sum: identical results, but the ~2*iters*hc
+        // dependent double divisions of one thread become 2*iters.
+        if (threadIdx.x < DS4_WARP) {
+            int k = threadIdx.x;
+            int hh = hc * hc;
+            int i = k < hh ? k / hc : 0, j = k < hh ? k % hc : 0;
+            if (k < hc) {
+                pre_s[k] = hc_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+                post[(long long)n * hc + k] = 2.0f * hc_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
+            }
+            float v = k < hh ? (mr[2 * hc + k] * r) * scale[2] + base[2 * hc + k] : 0.0f;
+            float mx = -DS4_INF;
+            for (int jj = 0; jj < hc; ++jj) mx = fmaxf(mx, DS4_SHFL(v, i * hc + jj));
+            v = expf(v - mx);
+            float sum = 0.0f;
+            for (int jj = 0; jj < hc; ++jj) sum += DS4_SHFL(v, i * hc + jj);
+            v = v / sum + eps32;
+            for (int it = 0; it < iters; ++it) {
+                if (it > 0) {
+                    double sr = 0.0;
+                    for (int jj = 0; jj < hc; ++jj) sr += (double)DS4_SHFL(v, i * hc + jj);
+                    v = (float)((double)v / (sr + hc_eps));
+                }
+                double sc = 0.0;
+                for (int ii = 0; ii < hc; ++ii) sc += (double)DS4_SHFL(v, ii * hc + j);
+                v = (float)((double)v / (sc + hc_eps));
+            }
+            if (k < hh) comb[(long long)n * hh + k] = v;
+        }
+    } else if (threadIdx.x == 0) {
         for (int k = 0; k < hc; ++k) {
             pre_s[k] = hc_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
             post[(long long)n * hc + k] = 2.0f * hc_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);

@@ -226,3 +226,100 @@ DS4_MATVEC2(ds4_matvec2_bf16_r4, WT_BF16, 4)
 DS4_MATVEC2(ds4_matvec2_q8_0_r1, WT_Q8_0, 1)
 DS4_MATVEC2(ds4_matvec2_q8_0_r2, WT_Q8_0, 2)
 DS4_MATVEC2(ds4_matvec2_q8_0_r4, WT_Q8_0, 4)
+
+// ---------------------------------------------------------------------------
+// v3: the same per-row arithmetic again (bitwise equal to v1/v2), rebuilt so the
+// shared-memory traffic per weight shrinks and padding lanes cost nothing:
+//   * activations are staged swizzled: for one 256-column step, the first float4 of
+//     every warp lane's 8 columns sits in 128 contiguous floats and the second float4
+//     in the next 128, so each LDS.128 of a warp reads 512 contiguous bytes (no bank
+//     conflict; v1/v2 read at a 32-byte stride, 2-way conflicted);
+//   * R rows per warp share each staged activation load (R = 4: 8 FMAs per float loaded);
+//   * U steps x R rows of raw weight words are loaded before any FMA (R*U 16-byte loads
+//     in flight per thread) and stay raw (4 registers for 8 bf16/f16 values) until used;
+//   * the staged chunk is as wide as 12288 floats over the number of ACTIVE lanes na,
+//     so a lone lane stages a 4096-wide row in one go;
+//   * na comes from `lane_slot` (the backend's per-lane slot ids, -1 = padding) when it
+//     is given: na = 1 + the last lane with a slot. Padding lanes past it are neither
+//     staged, multiplied nor written, so a pass with one row pays for one row while
+//     the captured graph stays the same. A lane's column order and FMA sequence do not
+//     depend on na, KC, R or U, so its result is bitwise the same alone or among 16.
+// The body (mv3_rows) lives in ds4_mv3.h: the routed-expert kernel (step_ops.hip) runs
+// the same code with its own list of inputs.
+// ---------------------------------------------------------------------------
+#include "ds4_mv3.h"
+
+// y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K]. Grid (ceil(N / (8R)), groups).
+template <int WT, int R, int U>
+__device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,
+                         int ldy, const int* lane_slot) {
+    __shared__ float4 xs4[MV3_XS / 4];
+    __shared__ const float* xrow[MV_LANES];
+    __shared__ long long ybase[MV_LANES];
+    int na = mv3_active(L, lane_slot);
+    if (na == 0) return;
+    int g = blockIdx.y;
+    if (threadIdx.x < na) {
+        xrow[threadIdx.x] = x + (long long)threadIdx.x * ldx + (long long)g * xg;
+        ybase[threadIdx.x] = (long long)threadIdx.x * ldy + (long long)g * N;
+    }
+    long long rb = mv3_row_bytes(WT, K);
+    mv3_rows<WT, R, U>(W + (long long)g * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4);
+}
+
+// Fixed K-split for matrices with few rows and long rows (hc projections, router):
+// block z of the grid's third dimension takes columns [z*KS, z*KS + KS) and writes
+// part[(z*16 + l)*N + r]; ds4_matvec3_ksum adds the splits in z order. KS depends
+// only on the shape, so a lane's sum is the same alone or among 16.
+template <int WT, int R, int U>
+__device__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,
+                               const int* lane_slot, int KS) {
+    __shared__ float4 xs4[MV3_XS / 4];
+    __shared__ const float* xrow[MV_LANES];
+    __shared__ long long ybase[MV_LANES];
+    int na = mv3_active(L, lane_slot);
+    if (na == 0) return;
+    int z = blockIdx.z;
+    if (threadIdx.x < na) {
+        xrow[threadIdx.x] = x + (long long)threadIdx.x * ldx;
+        ybase[threadIdx.x] = ((long long)z * MV_LANES + threadIdx.x) * N;
+    }
+    int cbeg = z * KS, clen = K - cbeg < KS ? K - cbeg : KS;
+    mv3_rows<WT, R, U>(W, mv3_row_bytes(WT, K), N, cbeg, clen, na, xrow, ybase, part, xs4);
+}
+
+extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, float* __restrict__ y, int N, int L,
+                                            int ldy, int nsplit, const int* lane_slot) {
+    int na = mv3_active(L, lane_slot);
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    int a = idx / N, r = idx % N;
+    if (a >= na) return;
+    float s = 0.0f;
+    for (int z = 0; z < nsplit; ++z) s += part[((long long)z * MV_LANES + a) * N + r];
+    y[(long long)a * ldy + r] = s;
+}
+
+#define DS4_MATVEC3(NAME, WT, R, U)                                                                \
+    extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
+        NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,     \
+             int ldy, const int* lane_slot) {                                                      \
+        mv3_body<WT, R, U>(W, x, y, N, K, L, ldx, xg, ldy, lane_slot);                             \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
+        NAME##_ks(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,     \
+                  const int* lane_slot, int KS) {                                                  \
+        mv3_split_body<WT, R, U>(W, x, part, N, K, L, ldx, lane_slot, KS);                         \
+    }
+
+DS4_MATVEC3(ds4_matvec3_f32_r1, WT_F32, 1, 4)
+DS4_MATVEC3(ds4_matvec3_f32_r2, WT_F32, 2, 2)
+DS4_MATVEC3(ds4_matvec3_f32_r4, WT_F32, 4, 1)
+DS4_MATVEC3(ds4_matvec3_f16_r1, WT_F16, 1, 8)
+DS4_MATVEC3(ds4_matvec3_f16_r2, WT_F16, 2, 4)
+DS4_MATVEC3(ds4_matvec3_f16_r4, WT_F16, 4, 2)
+DS4_MATVEC3(ds4_matvec3_bf16_r1, WT_BF16, 1, 8)
+DS4_MATVEC3(ds4_matvec3_bf16_r2, WT_BF16, 2, 4)
+DS4_MATVEC3(ds4_matvec3_bf16_r4, WT_BF16, 4, 2)
+DS4_MATVEC3(ds4_matvec3_q8_0_r1, WT_Q8_0, 1, 8)
+DS4_MATVEC3(ds4_matvec3_q8_0_r2, WT_Q8_0, 2, 4)
+DS4_MATVEC3(ds4_matvec3_q8_0_r4, WT_Q8_0, 4, 2)

@@ -11,6 +11,7 @@
 #define WT_F16 1
 #define WT_BF16 2
 #define WT_Q8_0 3
+#include "ds4_mv3.h"
 
 __device__ __forceinline__ long long so_row_bytes(int wt, int K) {
     return wt == WT_F32 ? (long long)K * 4 : wt == WT_Q8_0 ? (long long)(K / 32) * 34 : (long long)K * 2;
@@ -176,6 +177,58 @@ STEP_EXPERTS(step_experts_f32, WT_F32)
 STEP_EXPERTS(step_experts_f16, WT_F16)
 STEP_EXPERTS(step_experts_bf16, WT_BF16)
 STEP_EXPERTS(step_experts_q8_0, WT_Q8_0)
+
+// v3: the same job on matvec v3's body (ds4_mv3.h): swizzled staging, R rows per warp,
+// R*U raw weight loads in flight. Thread 0 lists the (lane, choice) pairs that chose
+// expert e, in lane order; each pair's column order and FMA sequence are the dense
+// matvec's, so a lane's result never depends on which other lanes chose e.
+template <int WT, int R, int U>
+__device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
+                         const int* __restrict__ ids, const int* __restrict__ slot, float* __restrict__ y,
+                         int N, int K, int kk) {
+    __shared__ float4 xs4[MV3_XS / 4];
+    __shared__ const float* xrow[SO_LANES];
+    __shared__ long long ybase[SO_LANES];
+    __shared__ int n_act;
+    int e = blockIdx.y;
+    if (threadIdx.x == 0) {
+        int c = 0;
+        for (int l = 0; l < SO_LANES; ++l) {
+            if (slot[l] < 0) continue;
+            for (int t = 0; t < kk; ++t)
+                if (ids[l * kk + t] == e) {
+                    long long lt = (long long)l * kk + t;
+                    xrow[c] = x + (x_per_choice ? lt : (long long)l) * K;
+                    ybase[c] = lt * N;
+                    ++c;
+                    break;
+                }
+        }
+        n_act = c;
+    }
+    __syncthreads();
+    int na = n_act;
+    if (na == 0) return;
+    long long rb = mv3_row_bytes(WT, K);
+    mv3_rows<WT, R, U>(W + (long long)e * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4);
+}
+
+#define STEP_EXPERTS3(NAME, WT, R, U)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                               \
+        NAME(const ds4_u8* W, const float* x, int x_per_choice, const int* ids, const int* slot,     \
+             float* y, int N, int K, int kk) {                                                        \
+        ex3_body<WT, R, U>(W, x, x_per_choice, ids, slot, y, N, K, kk);                               \
+    }
+
+STEP_EXPERTS3(step_experts3_f32_r1, WT_F32, 1, 4)
+STEP_EXPERTS3(step_experts3_f32_r2, WT_F32, 2, 2)
+STEP_EXPERTS3(step_experts3_f16_r1, WT_F16, 1, 8)
+STEP_EXPERTS3(step_experts3_f16_r2, WT_F16, 2, 4)
+STEP_EXPERTS3(step_experts3_bf16_r1, WT_BF16, 1, 8)
+STEP_EXPERTS3(step_experts3_bf16_r2, WT_BF16, 2, 4)
+STEP_EXPERTS3(step_experts3_bf16_r4, WT_BF16, 4, 2)
+STEP_EXPERTS3(step_experts3_q8_0_r1, WT_Q8_0, 1, 8)
+STEP_EXPERTS3(step_experts3_q8_0_r2, WT_Q8_0, 2, 4)
 
 // y[l] = sum_t w[l, t] * down[l, t] (t ascending = expert ids ascending) + shared[l].
 extern "C" __global__ void step_moe_combine(const float* down, const float* w, const float* shared, float* y,

@@ -289,3 +289,121 @@ step_attention(const float* __restrict__ q, const float* pass_kv, const float* r
     for (int t = 0; t < nd; ++t)
         out[((long long)l * H + h) * D + lane + DS4_WARP * t] = s >= 0 ? acc[t] * c / dtot : 0.0f;
 }
+
+// ---- attention split over keys (v3) -------------------------------------------
+// The same keys as step_attention, cut into fixed slices of AT3_SPLIT keys (z of the
+// grid's third dimension; the grid covers the most keys any lane can have). Block (tile,
+// lane, z) runs the online softmax over its slice and writes (m, den, acc) per head;
+// step_attention_combine merges a lane's slices in z order, then the sink. Slices
+// depend only on the lane's own key count, so a lane's result is the same alone or
+// among 16. A lone decode row now spreads over 8 x ceil(keys / 32) blocks instead of 8.
+#define AT3_SPLIT 32
+
+__device__ __forceinline__ int at_lane_keys(int s, int p, int W, const float* store, const int* nvis,
+                                            const int* sel, int ksel, int l, int* lo, int* nraw) {
+    *lo = p - W + 1 > 0 ? p - W + 1 : 0;
+    *nraw = s >= 0 ? p - *lo + 1 : 0;
+    int ncomp = 0;
+    if (s >= 0 && store) {
+        ncomp = nvis[l];
+        if (sel && ncomp > ksel) ncomp = ksel;
+    }
+    return *nraw + ncomp;
+}
+
+extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
+step_attention_split(const float* __restrict__ q, const float* pass_kv, const float* ring, long long ring_stride,
+                     const float* store, const int* btab, int maxp, int per, const int* sel, int ksel,
+                     const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
+                     int H, int D, int W, float scale, float* __restrict__ part_m,
+                     float* __restrict__ part_den, float* __restrict__ part_acc) {
+    __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
+    KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D};
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int l = blockIdx.y, z = blockIdx.z, nz = gridDim.z;
+    int h = blockIdx.x * AT_WARPS + warp;
+    int s = slot[l], p = pos[l];
+    int lo, nraw;
+    int total = at_lane_keys(s, p, W, store, nvis, sel, ksel, l, &lo, &nraw);
+    int nbeg = z * AT3_SPLIT;
+    if (s < 0 || nbeg >= total) return;  // the combine reads only this lane's slices
+    int nend = nbeg + AT3_SPLIT < total ? nbeg + AT3_SPLIT : total;
+    int nd = D / DS4_WARP;
+    bool active = h < H;
+    float qv[AT_DPL], acc[AT_DPL];
+#pragma unroll
+    for (int t = 0; t < AT_DPL; ++t) {
+        qv[t] = (active && t < nd) ? q[((long long)l * H + h) * D + lane + DS4_WARP * t] : 0.0f;
+        acc[t] = 0.0f;
+    }
+    float m = -DS4_INF, den = 0.0f;
+    int ps = pstart[l], fl = flane[l];
+    for (int n0 = nbeg; n0 < nend; n0 += AT_KT) {
+        int nk = nend - n0 < AT_KT ? nend - n0 : AT_KT;
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < nk * D; idx += blockDim.x) {
+            int rr = idx / D, dd = idx % D;
+            ks[rr * AT_DMAX + dd] = key_row(k, l, s, lo, nraw, ps, fl, n0 + rr)[dd];
+        }
+        __syncthreads();
+        if (!active) continue;
+        for (int rr = 0; rr < nk; ++rr) {
+            const float* kr = ks + rr * AT_DMAX;
+            float part = 0.0f;
+#pragma unroll
+            for (int t = 0; t < AT_DPL; ++t)
+                if (t < nd) part += qv[t] * kr[lane + DS4_WARP * t];
+            float sc = ds4_warp_sum(part) * scale;
+            if (sc > m) {
+                float c = expf(m - sc);  // 0 while m is -inf (acc and den are 0 then)
+                den = den * c + 1.0f;
+#pragma unroll
+                for (int t = 0; t < AT_DPL; ++t)
+                    if (t < nd) acc[t] = acc[t] * c + kr[lane + DS4_WARP * t];
+                m = sc;
+            } else {
+                float e = expf(sc - m);
+                den += e;
+#pragma unroll
+                for (int t = 0; t < AT_DPL; ++t)
+                    if (t < nd) acc[t] += e * kr[lane + DS4_WARP * t];
+            }
+        }
+    }
+    if (!active) return;
+    long long pi = ((long long)l * H + h) * nz + z;
+    if (lane == 0) { part_m[pi] = m; part_den[pi] = den; }
+#pragma unroll
+    for (int t = 0; t < AT_DPL; ++t)
+        if (t < nd) part_acc[pi * D + lane + DS4_WARP * t] = acc[t];
+}
+
+// Block (head, lane), threads over dims: the lane's slices in z order, then the sink.
+// Padding lanes write zeros, as step_attention does.
+extern "C" __global__ void step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
+                                                  const float* __restrict__ part_acc, const float* __restrict__ sinks,
+                                                  const int* slot, const int* pos, const float* store,
+                                                  const int* nvis, const int* sel, int ksel, int W, int H, int D,
+                                                  int nz, float* __restrict__ out) {
+    int h = blockIdx.x, l = blockIdx.y;
+    int s = slot[l];
+    int lo, nraw;
+    int total = at_lane_keys(s, pos[l], W, store, nvis, sel, ksel, l, &lo, &nraw);
+    int nsl = (total + AT3_SPLIT - 1) / AT3_SPLIT;
+    float* o = out + ((long long)l * H + h) * D;
+    if (s < 0) {
+        for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = 0.0f;
+        return;
+    }
+    long long base = ((long long)l * H + h) * nz;
+    float sk = sinks[h];
+    float mf = sk;
+    for (int z = 0; z < nsl; ++z) mf = fmaxf(mf, part_m[base + z]);
+    float dtot = expf(sk - mf);
+    for (int z = 0; z < nsl; ++z) dtot += part_den[base + z] * expf(part_m[base + z] - mf);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float a = 0.0f;
+        for (int z = 0; z < nsl; ++z) a += part_acc[(base + z) * D + d] * expf(part_m[base + z] - mf);
+        o[d] = a / dtot;
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device run for the decode-speed work (issue E): compile every kernel, the GPU op
+# tests and the backend tests (exactness, batch invariance), then the op timings, the
+# Flash-shaped decode benchmark and transformers' eager DeepseekV4 on the same shape.
+# Everything lands under $OUT (the device tool brings it back).
+#   run with carry [".whl"]:  bash benchmarks/gpu_perf_run.sh
+#   STAGES: any of build,optest,backend,decode,ops,hf (default all)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ds4ref_gpu_out}
+STAGES=${STAGES:-build,optest,backend,decode,ops,hf}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
+export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
+else
+  export PYTHONPATH=$PWD
+fi
+rc=0
+T0=$SECONDS
+stage() { echo "== [$((SECONDS - T0)) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/env.log"
+
+if [[ $STAGES == *build* ]]; then
+  stage build
+  timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/build.log" || { echo "BUILD FAILED"; exit 1; }
+import time
+from ds4ref.hip.runtime import get_runtime, KERNEL_DIR
+rt = get_runtime()
+for f in sorted(KERNEL_DIR.glob("*.hip")):
+    t = time.time(); rt.compile_file(f.name); print(f"compiled {f.name} in {time.time() - t:.1f} s")
+PY
+fi
+if [[ $STAGES == *optest* ]]; then
+  stage "op tests"
+  timeout ${OPTEST_TIMEOUT:-170} python3 -m pytest -m gpu tests/gpu/test_ops_gpu.py -q -rfE --tb=short -x \
+      -p no:cacheprovider 2>&1 | tee "$OUT/test_ops.log" || rc=1
+fi
+if [[ $STAGES == *backend* ]]; then
+  stage "backend tests"
+  timeout ${BACKEND_TIMEOUT:-150} python3 -m pytest -m gpu tests/gpu/test_hip_backend.py -q -rfE --tb=short \
+      -p no:cacheprovider 2>&1 | tee "$OUT/test_backend.log" || rc=1
+fi
+if [[ $STAGES == *decode* ]]; then
+  stage "decode benchmark"
+  timeout ${DECODE_TIMEOUT:-120} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" 2>&1 \
+      | tee "$OUT/decode.log" || rc=1
+fi
+if [[ $STAGES == *ops* ]]; then
+  stage "op benchmark"
+  timeout ${OPS_TIMEOUT:-120} python3 benchmarks/ops_gpu.py --out "$OUT/perf_ops_gpu.md" 2>&1 | tee "$OUT/ops.log" || rc=1
+fi
+if [[ $STAGES == *hf* ]]; then
+  stage "transformers eager"
+  timeout ${HF_TIMEOUT:-100} python3 benchmarks/hf_eager_gpu.py 2>&1 | tee "$OUT/hf_eager.log" || rc=1
+fi
+stage "done rc=$rc"
+exit $rc

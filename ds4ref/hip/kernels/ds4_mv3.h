@@ -1,0 +1,173 @@
+// ds4_mv3.h - the v3 batched-matvec body, shared by matvec.hip (dense matrices) and
+// step_ops.hip (routed experts). Inlined into a kernel source by runtime.load_source.
+// See matvec.hip's v3 section for the design; the per-input reduction order is v1's:
+// warp lane t sums columns t*8 .. t*8+7 of every 256-column step in increasing order,
+// then the xor butterfly combines the 32 partials.
+#pragma once
+#include "ds4_hip.h"
+
+#ifndef WT_F32
+#define WT_F32 0
+#define WT_F16 1
+#define WT_BF16 2
+#define WT_Q8_0 3
+#endif
+#ifndef MV_LANES
+#define MV_LANES 16
+#endif
+
+#define MV3_WARPS 8
+#define MV3_XS 12160   // staged floats per block: 48 KiB of static shared memory less room for
+                       // the per-input pointers (the 48 KiB static limit covers all of it);
+                       // KC for na = 1..16 is the same as with a full 12288
+
+template <int WT>
+struct Mv3Raw {
+    uint4 v[WT == WT_F32 ? 2 : 1];
+};
+
+// Raw words of 8 consecutive weights of `row` (a pointer to the row's first byte) at column col.
+template <int WT>
+__device__ __forceinline__ void mv3_load(const ds4_u8* __restrict__ row, int col, Mv3Raw<WT>& r) {
+    if (WT == WT_F32) {
+        const uint4* p = (const uint4*)(row + (long long)col * 4);
+        r.v[0] = p[0];
+        r.v[1] = p[1];
+    } else if (WT == WT_F16 || WT == WT_BF16) {
+        r.v[0] = *(const uint4*)(row + (long long)col * 2);
+    } else {  // Q8_0: scale bits in .x, the 8 quants in .y/.z (blocks are only 2-byte aligned)
+        const ds4_u8* blk = row + (long long)(col / 32) * 34;
+        const ds4_u16* q = (const ds4_u16*)(blk + 2 + (col % 32));
+        r.v[0].x = *(const ds4_u16*)blk;
+        r.v[0].y = (ds4_u32)q[0] | ((ds4_u32)q[1] << 16);
+        r.v[0].z = (ds4_u32)q[2] | ((ds4_u32)q[3] << 16);
+        r.v[0].w = 0;
+    }
+}
+
+// The 8 weights as f32, exactly as mv_load8 widens them.
+template <int WT>
+__device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
+    if (WT == WT_F32) {
+        w[0] = __uint_as_float(r.v[0].x); w[1] = __uint_as_float(r.v[0].y);
+        w[2] = __uint_as_float(r.v[0].z); w[3] = __uint_as_float(r.v[0].w);
+        w[4] = __uint_as_float(r.v[1].x); w[5] = __uint_as_float(r.v[1].y);
+        w[6] = __uint_as_float(r.v[1].z); w[7] = __uint_as_float(r.v[1].w);
+    } else if (WT == WT_F16 || WT == WT_BF16) {
+        ds4_u32 parts[4] = {r.v[0].x, r.v[0].y, r.v[0].z, r.v[0].w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            ds4_u16 lo = (ds4_u16)(parts[t] & 0xffffu), hi = (ds4_u16)(parts[t] >> 16);
+            w[2 * t] = WT == WT_F16 ? ds4_f16_to_f32(lo) : ds4_bf16_to_f32(lo);
+            w[2 * t + 1] = WT == WT_F16 ? ds4_f16_to_f32(hi) : ds4_bf16_to_f32(hi);
+        }
+    } else {
+        float d = ds4_f16_to_f32((ds4_u16)r.v[0].x);
+        ds4_u32 parts[2] = {r.v[0].y, r.v[0].z};
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            ds4_u32 p = parts[t];
+            w[4 * t + 0] = d * (float)(ds4_i8)(p & 0xffu);
+            w[4 * t + 1] = d * (float)(ds4_i8)((p >> 8) & 0xffu);
+            w[4 * t + 2] = d * (float)(ds4_i8)((p >> 16) & 0xffu);
+            w[4 * t + 3] = d * (float)(ds4_i8)(p >> 24);
+        }
+    }
+}
+
+__device__ __forceinline__ long long mv3_row_bytes(int wt, int K) {
+    return wt == WT_F32 ? (long long)K * 4 : wt == WT_Q8_0 ? (long long)(K / 32) * 34 : (long long)K * 2;
+}
+
+// Rows row0.. of one matrix (Wb: its first byte, rb bytes per row) over columns
+// [cbeg, cbeg + clen) for na active inputs: xrow[a] is input a's row (column 0),
+// y[ybase[a] + r] receives row r's dot for input a. xrow/ybase live in shared memory
+// and are written before the first barrier here.
+template <int WT, int R, int U>
+__device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int cbeg, int clen,
+                                         int na, const float* const* xrow, const long long* ybase,
+                                         float* __restrict__ y, float4* xs4) {
+    float* xs = (float*)xs4;
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int row0 = blockIdx.x * (MV3_WARPS * R) + warp * R;
+    int KC = (MV3_XS / na) / 256 * 256;  // >= 512 for na <= 16; a multiple of 256 (see swizzle)
+    float acc[R][MV_LANES];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int a = 0; a < MV_LANES; ++a) acc[i][a] = 0.0f;
+    const ds4_u8* rowp[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) rowp[i] = Wb + (long long)(row0 + i < N ? row0 + i : 0) * rb;
+
+    for (int c0 = 0; c0 < clen; c0 += KC) {
+        int kc = clen - c0 < KC ? clen - c0 : KC;
+        __syncthreads();  // the previous chunk is consumed (and xrow/ybase are visible)
+        // Staging, one float per thread per step. (A float4 version with 8 loads in flight
+        // per thread measured slower in the whole pass on the H200: 8.1 vs 6.3 ms at C = 1,
+        // the routed experts 1.9 -> 3.2 ms; not kept.)
+        for (int a = 0; a < na; ++a) {
+            const float* src = xrow[a] + cbeg + c0;
+            for (int j = threadIdx.x; j < kc; j += blockDim.x) {
+                int sw = (j & ~255) + ((j & 4) << 5) + ((j & 248) >> 1) + (j & 3);  // swizzle, see above
+                xs[a * KC + sw] = src[j];
+            }
+        }
+        __syncthreads();
+        for (int s0 = 0; s0 * (DS4_WARP * 8) < kc; s0 += U) {
+            Mv3Raw<WT> raw[R][U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
+#pragma unroll
+                for (int i = 0; i < R; ++i) {
+                    if (row0 + i < N && j0 < kc) mv3_load<WT>(rowp[i], cbeg + c0 + j0, raw[i][u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
+                if (j0 >= kc) continue;
+                float w[R][8];
+#pragma unroll
+                for (int i = 0; i < R; ++i) mv3_unpack<WT>(raw[i][u], w[i]);
+                int xb = (s0 + u) * 64 + lane;  // float4 index of this lane's first half
+#pragma unroll
+                for (int a = 0; a < MV_LANES; ++a) {
+                    if (a < na) {
+                        float4 p = xs4[a * (KC / 4) + xb], q = xs4[a * (KC / 4) + xb + 32];
+#pragma unroll
+                        for (int i = 0; i < R; ++i) {
+                            float s = acc[i][a];
+                            s += w[i][0] * p.x; s += w[i][1] * p.y; s += w[i][2] * p.z; s += w[i][3] * p.w;
+                            s += w[i][4] * q.x; s += w[i][5] * q.y; s += w[i][6] * q.z; s += w[i][7] * q.w;
+                            acc[i][a] = s;
+                        }
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        int r = row0 + i;
+        if (r >= N) break;
+#pragma unroll
+        for (int a = 0; a < MV_LANES; ++a) {
+            if (a < na) {
+                float s = ds4_warp_sum(acc[i][a]);
+                if (lane == a) y[ybase[a] + r] = s;
+            }
+        }
+    }
+}
+
+// Active inputs of a pass: L, or 1 + the last lane with a slot when lane_slot is given.
+__device__ __forceinline__ int mv3_active(int L, const int* lane_slot) {
+    if (!lane_slot) return L;
+    int na = 0;
+    for (int l = 0; l < L; ++l)
+        if (lane_slot[l] >= 0) na = l + 1;
+    return na;
+}
+
