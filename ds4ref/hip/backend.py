@@ -86,6 +86,7 @@ class HipBackend:
 
     # ---- protocol ----------------------------------------------------------------
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+        self.rt.bind_thread()
         self._release_state()
         need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens)
         free, _total = self.rt.mem_info()
@@ -101,12 +102,15 @@ class HipBackend:
         self._graph = None  # the capacity bucket changed: capture again on the next step
 
     def reset_slot(self, slot: int) -> None:
+        self.rt.bind_thread()  # the protocol may be driven from any thread (the server's runner)
         self._need_state().reset_slot(slot)
 
     def set_block_table(self, slot: int, pages) -> None:
+        self.rt.bind_thread()
         self._need_state().set_block_table(slot, pages)
 
     def step(self, plan: StepPlan) -> StepResult:
+        self.rt.bind_thread()
         st = self._need_state()
         rows = plan.rows()
         check_rows(rows, st.next_pos, [t.size for t in st.tables], st.page_tokens, self.cfg.vocab_size,

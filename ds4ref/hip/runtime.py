@@ -144,6 +144,20 @@ class Runtime:
     def _error_name(self, err: Any) -> str:
         return repr(err)
 
+    # ---- threads ---------------------------------------------------------------
+    def bind_thread(self) -> None:
+        """Make this runtime's device current on the calling thread (once per thread).
+
+        CUDA contexts and HIP's current device are per thread: the server steps the
+        backend from its runner thread, not the thread that created the runtime."""
+        tls = self.__dict__.setdefault("_tls", threading.local())
+        if not getattr(tls, "bound", False):
+            self._make_current()
+            tls.bound = True
+
+    def _make_current(self) -> None:
+        raise GpuError(f"{self.kind}: this runtime cannot be bound to a thread")
+
     # ---- to be provided by adapters ------------------------------------------
     def compile(self, source: str, name: str, options: Sequence[str] = (),
                 name_expressions: Sequence[str] = ()) -> Module:
@@ -240,7 +254,7 @@ class CudaRuntime(Runtime):
             raise GpuError("cuda: cuDeviceGetCount found no device")
         self.dev = self._check(d.cuDeviceGet(device), "cuDeviceGet")
         self.ctx = self._check(d.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
-        self._check(d.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self._make_current()
         attr = d.CUdevice_attribute
 
         def get(a, what):
@@ -255,6 +269,9 @@ class CudaRuntime(Runtime):
                                get(attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, "warp size"),
                                get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count"))
         self.stream = self._check(d.cuStreamCreate(1), "cuStreamCreate")  # 1 = non-blocking
+
+    def _make_current(self) -> None:
+        self._check(self.drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
     def _error_name(self, err):
         try:
@@ -381,7 +398,8 @@ class HipRuntime(Runtime):
         n = self._check(hip.hipGetDeviceCount(), "hipGetDeviceCount")
         if n < 1:
             raise GpuError("hip: hipGetDeviceCount found no device")
-        self._check(hip.hipSetDevice(device), "hipSetDevice")
+        self.device = device
+        self._make_current()
         props = hip.hipDeviceProp_t()
         self._check(hip.hipGetDeviceProperties(props, device), "hipGetDeviceProperties")
         arch = props.gcnArchName
@@ -391,6 +409,9 @@ class HipRuntime(Runtime):
         self.info = DeviceInfo("amd", name, arch, int(props.totalGlobalMem), int(props.warpSize),
                                int(props.multiProcessorCount))
         self.stream = self._check(hip.hipStreamCreate(), "hipStreamCreate")
+
+    def _make_current(self) -> None:
+        self._check(self.hip.hipSetDevice(self.device), "hipSetDevice")
 
     def _error_name(self, err):
         try:
