@@ -24,8 +24,9 @@ class DS4Model:
         self.reference = Model(weights, numerics)
         self.config: DS4Config = self.reference.config
         self.numerics = numerics
+        self._device = None
         if backend == "hip":
-            self.make_backend()  # fail at load, naming what is missing, not at the first request
+            self._device = self.make_backend()  # fail at load, naming what is missing, not mid-request
 
     @property
     def weights(self):
@@ -44,6 +45,8 @@ class DS4Model:
             return NumpyBackend(self.reference)
         if name == "hip":
             from .hip.backend import HipBackend
+            if self._device is not None:  # weights are on the device already: share them
+                return HipBackend(self.reference, runtime=self._device.rt, device_weights=self._device.w)
             return HipBackend(self.reference)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 

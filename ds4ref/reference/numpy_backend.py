@@ -49,6 +49,9 @@ class NumpyBackend:
         self.max_rows = max_rows
         self.layout: PageLayout | None = None
 
+    def describe(self) -> str:
+        return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics)"
+
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         cfg, dt = self.cfg, self.dtype
         self.layout = PageLayout(cfg, page_tokens)

@@ -41,7 +41,9 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
                         vocab_size=model.config.vocab_size)
-    state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend: "
+    describe = getattr(engine.backend, "describe", None)
+    state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
+                    f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, {engine.pool.n_pages} KV pages of {engine.pool.page_tokens} "
                     f"tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}")
