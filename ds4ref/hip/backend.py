@@ -87,13 +87,13 @@ class HipBackend:
     def describe(self) -> str:
         """Runtime and memory plan, for the server's start-up banner."""
         i = self.rt.info
-        vendor = "ROCm" if i.vendor == "amd" else "NVIDIA"
+        device = f"ROCm {i.name}" if i.vendor == "amd" else i.name
         plan = f"weights {self.w.bytes / 2**20:.1f} MiB"
         if self.state is not None:
             st = self.state
             need = DeviceState.bytes_needed(self.cfg, st.n_slots, st.n_pages, st.page_tokens)
             plan += f", paged state {need / 2**20:.1f} MiB ({st.n_slots} slots, {st.n_pages} pages)"
-        return f"{vendor} {i.name} ({i.arch}, {self.rt.kind} runtime); {plan}"
+        return f"{device} ({i.arch}, {self.rt.kind} runtime); {plan}"
 
     # ---- protocol ----------------------------------------------------------------
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
