@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -122,7 +123,7 @@ class Module:
         return self._kernels[fn]
 
 
-class Runtime:
+class Runtime(ABC):
     """The interface both adapters implement."""
 
     kind = "base"
@@ -155,64 +156,82 @@ class Runtime:
             self._make_current()
             tls.bound = True
 
+    @abstractmethod
     def _make_current(self) -> None:
-        raise GpuError(f"{self.kind}: this runtime cannot be bound to a thread")
+        """Make the device current on the calling thread."""
 
     # ---- to be provided by adapters ------------------------------------------
+    @abstractmethod
     def compile(self, source: str, name: str, options: Sequence[str] = (),
                 name_expressions: Sequence[str] = ()) -> Module:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _get_function(self, module: Module, fn: str) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def malloc(self, nbytes: int) -> DeviceBuffer:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def free(self, buf: DeviceBuffer) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def h2d(self, dst: DeviceBuffer, src: np.ndarray) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def d2h(self, dst: np.ndarray, src: DeviceBuffer) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def d2d(self, dst: DeviceBuffer, src: DeviceBuffer, nbytes: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def memset32(self, dst: DeviceBuffer, value: int, count: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def launch(self, kernel: Any, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
                shared: int = 0, stream: Any = None) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def event(self) -> Any:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def record(self, ev: Any, stream: Any = None) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def begin_capture(self, stream: Any = None) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def end_capture(self, stream: Any = None) -> Any:
         """Ends capture and returns an executable graph."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def replay(self, graph: Any, stream: Any = None) -> None:
-        raise NotImplementedError
+        ...
 
     # ---- conveniences shared by both ------------------------------------------
     def upload(self, arr: np.ndarray) -> DeviceBuffer:
