@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
-export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-8}
+export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-8} DS4REF_GPU_ERRLOG=$OUT/max_errors.tsv
 rc=0
 if ls .whlserve/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
