@@ -167,3 +167,12 @@ def test_which_requests_need_logits():
     assert needs_logits(Sampling(frequency_penalty=-0.1))
     with pytest.raises(ValueError, match="logits"):
         SlotSampler(Sampling(temperature=1.0), [0]).choose(None, 0)
+
+
+@given(st.floats(min_value=5e-324, max_value=1e-300), st.floats(0.0, 1.0), st.integers(0, 10**6))
+def test_vanishing_temperature_is_greedy(temperature, min_p, seed):
+    """Found by the server fuzzer: a subnormal temperature overflowed the scaled logits
+    and the filters were left with nothing. The T -> 0 limit is greedy."""
+    x = np.random.default_rng(seed).normal(size=50).astype(np.float32)
+    p = filtered_probs(x, Sampling(temperature=temperature, min_p=min_p, seed=0))
+    assert p[int(np.argmax(x))] == 1.0 and p.sum() == 1.0

@@ -116,7 +116,15 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 def filtered_probs(x: np.ndarray, s: Sampling) -> np.ndarray:
     """Probabilities after temperature, top-k, top-p, min-p (x already penalised)."""
-    x = x / s.temperature
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore"):
+        scaled = x / s.temperature
+    if np.isposinf(scaled).any():
+        # A temperature so small that scaling overflows: its limit is greedy.
+        p = np.zeros(x.size)
+        p[rank_desc(np.where(np.isnan(x), -np.inf, x))[0]] = 1.0
+        return p
+    x = scaled
     keep = x > -np.inf  # drops -inf and NaN
     if not keep.any():
         raise ValueError("every logit is -inf or NaN; nothing to sample")
