@@ -163,28 +163,27 @@ def qat(v: np.ndarray, h: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
+def _normalise_rows(m: np.ndarray, eps: float) -> None:
+    """m[i, :] /= (sum_j m[i, j] + eps), summing left to right; columns via m.T."""
+    for i in range(m.shape[0]):
+        s = 0.0
+        for j in range(m.shape[1]):
+            s += m[i, j]
+        d = s + eps
+        for j in range(m.shape[1]):
+            m[i, j] = m[i, j] / d
+
+
+@numba.njit(cache=True)
 def _sinkhorn(c: np.ndarray, iters: int, eps: float) -> np.ndarray:
     """Column normalisation first, then iters-1 rounds of row + column; c is (N, hc, hc)."""
     out = c.copy()
-    n, hc = c.shape[0], c.shape[1]
-    for t in range(n):
+    for t in range(c.shape[0]):
         m = out[t]
         for it in range(iters):
             if it > 0:
-                for i in range(hc):
-                    s = 0.0
-                    for j in range(hc):
-                        s += m[i, j]
-                    d = s + eps
-                    for j in range(hc):
-                        m[i, j] = m[i, j] / d
-            for j in range(hc):
-                s = 0.0
-                for i in range(hc):
-                    s += m[i, j]
-                d = s + eps
-                for i in range(hc):
-                    m[i, j] = m[i, j] / d
+                _normalise_rows(m, eps)
+            _normalise_rows(m.T, eps)
     return out
 
 
