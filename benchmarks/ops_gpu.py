@@ -156,6 +156,33 @@ def bench_matvecs(b, L):
           [lambda w=w: g.launch_matvec(rt, w, x, y, L, groups=8, ldx=8 * 4096, xg=4096, ldy=8192) for w in ws])
 
 
+def bench_experts(b, L):
+    """The routed-expert kernel (backend's step_experts3) at Flash-slice dims: 32 experts of
+    2048 x 4096 (gate/up) and 4096 x 2048 (down), bf16, top-6 distinct random ids per lane."""
+    rt = b.rt
+    E, kk, ff, d = 32, 6, 2048, 4096
+    ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(16)]).astype(I32)
+    slot = np.where(np.arange(16) < L, np.arange(16), -1).astype(I32)
+    ko = rt.compile_file("step_ops.hip").kernel
+    idb, slb = b.up(ids), b.up(slot)
+    one = g.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
+    for name, N, K, per_choice in (("experts gate bf16 32x2048x4096", ff, d, 0),
+                                   ("experts down bf16 32x4096x2048", d, ff, 1)):
+        wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
+        x = b.up(b.rnd(16 * kk if per_choice else 16, K))
+        y = b.out((16 * kk, N))
+        touched = len(np.unique(ids[:L]))
+        for r in EXPERT_RPWS:
+            b.add(f"{name} [v3 r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N),
+                  [lambda r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb: rt.launch(
+                      ko(f"step_experts3_bf16_r{r}"), (g._blocks(N, 8 * r), E), (256,),
+                      (wb, x, I32(pc), idb, slb, y, I32(N), I32(K), I32(kk)))],
+                  f"{touched} experts touched")
+
+
+EXPERT_RPWS = [int(r) for r in os.environ.get("DS4REF_BENCH_EXPERT_RPW", "1,2").split(",")]
+
+
 def bench_small(b, L):
     rt = b.rt
     d, hc, D, H = 4096, 4, 512, 64
@@ -248,8 +275,11 @@ def main(argv=None):
     for L in [int(s) for s in args.lanes.split(",")]:
         bench_matvecs(b, L)
         b.free()
-        bench_small(b, L)
+        bench_experts(b, L)
         b.free()
+        if os.environ.get("DS4REF_BENCH_SMALL", "1") != "0":
+            bench_small(b, L)
+            b.free()
     lines = [f"# GPU op timings ({rt.info.name}, {rt.info.arch})", "",
              f"Copy bandwidth (device-to-device, read + write): {bw / 1e9:.0f} GB/s. "
              f"floor = bytes / that bandwidth. Times: graph replay of 20 calls, median of 15, µs per call.",

@@ -316,7 +316,8 @@ def test_argmax_lower_index(rt, seed, L, V, dup):
 # ---- v2 kernels against the v1 ones, batch invariance of attention -----------
 
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("n,k,L", [(300, 4096 + 96, 1), (1000, 1024, 16), (5000, 256, 3), (9000, 512, 7)])
+@pytest.mark.parametrize("n,k,L", [(300, 4096 + 96, 1), (1000, 1024, 16), (5000, 256, 3), (9000, 512, 7),
+                                   (600, 4096 + 96, 16)])
 def test_matvec_v2_bitwise_equals_v1(rt, monkeypatch, wtype, n, k, L):
     """Same per-row arithmetic in both versions, for rows per warp 1, 2 and 4."""
     w, _ = make_weight(n + k, n, k, wtype)
@@ -354,6 +355,31 @@ def test_matvec_v3_lane_slot_skips_padding(rt, monkeypatch, wtype, n_active):
                 got = s.get(y, (16, n))
             assert np.array_equal(got[:n_active], full[:n_active]), rpw
             assert np.all(np.isnan(got[n_active:])), rpw
+    finally:
+        dw.buf.free()
+
+
+@pytest.mark.parametrize("wtype", ["f32", "bf16"])
+@pytest.mark.parametrize("L", [1, 16])
+def test_matvec_v3_unaligned_rows_stage_scalar(rt, monkeypatch, wtype, L):
+    """Input rows that are not 16-byte aligned (ldx = K + 1) take v3's scalar staging; the
+    result is bitwise the aligned (16-byte staging) one, for every rows-per-warp."""
+    monkeypatch.setattr(g, "KERNELS", "v3")
+    n, k = 500, 2048 + 96
+    w, _ = make_weight(5 + L, n, k, wtype)
+    x = rnd(6 + L, L, k)
+    want = g.matvec(w, x, wtype=wtype, rt=rt)
+    xp = np.zeros((L, k + 1), F32)
+    xp[:, :k] = x
+    dw = g.DeviceWeight.upload(rt, w, wtype)
+    try:
+        for rpw in ("1", "2"):
+            monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
+            with g._Scope(rt) as s:
+                y = s.out((L, n))
+                g.launch_matvec(rt, dw, s.up(xp), y, L, ldx=k + 1)
+                got = s.get(y, (L, n))
+            assert np.array_equal(got, want), rpw
     finally:
         dw.buf.free()
 

@@ -79,10 +79,41 @@ __device__ __forceinline__ long long mv3_row_bytes(int wt, int K) {
     return wt == WT_F32 ? (long long)K * 4 : wt == WT_Q8_0 ? (long long)(K / 32) * 34 : (long long)K * 2;
 }
 
+// Raw weight words of one group of U steps (256 columns each) for the warp's R rows,
+// starting at step s0 of the chunk that begins at column c (kc columns long).
+template <int WT, int R, int U>
+__device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int row0, int N, int c, int kc, int s0,
+                                               int lane, Mv3Raw<WT> (&raw)[R][U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            if (row0 + i < N && j0 < kc) mv3_load<WT>(rowp[i], c + j0, raw[i][u]);
+        }
+    }
+}
+
+#ifndef MV3_LG
+#define MV3_LG 4  // inputs per guarded group in the FMA loop
+#endif
+#define MV3_STG 4  // float4 staging loads a thread keeps in flight per batch (8 would need ~174
+                   // registers for bf16 r2 with the weight group also in flight: one block per SM)
+
 // Rows row0.. of one matrix (Wb: its first byte, rb bytes per row) over columns
 // [cbeg, cbeg + clen) for na active inputs: xrow[a] is input a's row (column 0),
 // y[ybase[a] + r] receives row r's dot for input a. xrow/ybase live in shared memory
 // and are written before the first barrier here.
+//
+// Latency (why the chunk loop is laid out like this): a block's time at 16 lanes was
+// set by round trips, not by bandwidth: the old staging loop issued one scalar load per
+// thread and waited for it before the next (32 round trips per 512-column chunk, ~75 µs
+// for any 4096-wide matrix whatever its row count), and the chunk's weight loads were
+// issued only after the staging barrier. Now the first weight group of a chunk is loaded
+// before the barrier, and the chunk is staged with 16-byte loads, MV3_STG per thread all
+// in flight before any store: one round trip per 1024 staged float4 (two for a 16-lane chunk), which
+// overlaps the weights' own. The arithmetic (which columns each lane sums, in which
+// order, with which FMA sequence) is unchanged, so results stay bitwise v1's.
 template <int WT, int R, int U>
 __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int cbeg, int clen,
                                          int na, const float* const* xrow, const long long* ybase,
@@ -99,31 +130,54 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
     const ds4_u8* rowp[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) rowp[i] = Wb + (long long)(row0 + i < N ? row0 + i : 0) * rb;
+    bool vec = true;  // every staged row start 16-byte aligned (checked after the first barrier)
 
     for (int c0 = 0; c0 < clen; c0 += KC) {
         int kc = clen - c0 < KC ? clen - c0 : KC;
+        Mv3Raw<WT> raw[R][U];
+        mv3_load_group<WT, R, U>(rowp, row0, N, cbeg + c0, kc, 0, lane, raw);  // in flight across the staging
         __syncthreads();  // the previous chunk is consumed (and xrow/ybase are visible)
-        // Staging, one float per thread per step. (A float4 version with 8 loads in flight
-        // per thread measured slower in the whole pass on the H200: 8.1 vs 6.3 ms at C = 1,
-        // the routed experts 1.9 -> 3.2 ms; not kept.)
-        for (int a = 0; a < na; ++a) {
-            const float* src = xrow[a] + cbeg + c0;
-            for (int j = threadIdx.x; j < kc; j += blockDim.x) {
-                int sw = (j & ~255) + ((j & 4) << 5) + ((j & 248) >> 1) + (j & 3);  // swizzle, see above
-                xs[a * KC + sw] = src[j];
+        if (c0 == 0) {
+            for (int a = 0; a < na; ++a)
+                if (((unsigned long long)(xrow[a] + cbeg) & 15ull) != 0) vec = false;
+            if (clen % 4 != 0) vec = false;
+        }
+        if (vec) {
+            // 16-byte loads, a batch of MV3_STG per thread issued before any store. A float4
+            // at column j (j % 4 == 0) lands contiguously at the swizzled position of j.
+            int kc4 = kc / 4, tot = na * kc4;
+            for (int b0 = 0; b0 < tot; b0 += MV3_STG * MV3_WARPS * DS4_WARP) {
+                float4 v[MV3_STG];
+#pragma unroll
+                for (int k = 0; k < MV3_STG; ++k) {
+                    int e = b0 + threadIdx.x + k * MV3_WARPS * DS4_WARP;
+                    if (e < tot) {
+                        int a = e / kc4, j4 = e - a * kc4;
+                        v[k] = ((const float4*)(xrow[a] + cbeg + c0))[j4];
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < MV3_STG; ++k) {
+                    int e = b0 + threadIdx.x + k * MV3_WARPS * DS4_WARP;
+                    if (e < tot) {
+                        int a = e / kc4, j = 4 * (e - a * kc4);
+                        int sw = (j & ~255) + ((j & 4) << 5) + ((j & 248) >> 1);  // swizzle, see matvec.hip
+                        xs4[(a * KC + sw) / 4] = v[k];
+                    }
+                }
+            }
+        } else {
+            for (int a = 0; a < na; ++a) {
+                const float* src = xrow[a] + cbeg + c0;
+                for (int j = threadIdx.x; j < kc; j += blockDim.x) {
+                    int sw = (j & ~255) + ((j & 4) << 5) + ((j & 248) >> 1) + (j & 3);  // swizzle, see above
+                    xs[a * KC + sw] = src[j];
+                }
             }
         }
         __syncthreads();
         for (int s0 = 0; s0 * (DS4_WARP * 8) < kc; s0 += U) {
-            Mv3Raw<WT> raw[R][U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
-#pragma unroll
-                for (int i = 0; i < R; ++i) {
-                    if (row0 + i < N && j0 < kc) mv3_load<WT>(rowp[i], cbeg + c0 + j0, raw[i][u]);
-                }
-            }
+            if (s0 > 0) mv3_load_group<WT, R, U>(rowp, row0, N, cbeg + c0, kc, s0, lane, raw);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
@@ -132,17 +186,42 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
 #pragma unroll
                 for (int i = 0; i < R; ++i) mv3_unpack<WT>(raw[i][u], w[i]);
                 int xb = (s0 + u) * 64 + lane;  // float4 index of this lane's first half
+                if (na == 1) {
+                    float4 p = xs4[xb], q = xs4[xb + 32];
 #pragma unroll
-                for (int a = 0; a < MV_LANES; ++a) {
-                    if (a < na) {
-                        float4 p = xs4[a * (KC / 4) + xb], q = xs4[a * (KC / 4) + xb + 32];
+                    for (int i = 0; i < R; ++i) {
+                        float s = acc[i][0];
+                        s += w[i][0] * p.x; s += w[i][1] * p.y; s += w[i][2] * p.z; s += w[i][3] * p.w;
+                        s += w[i][4] * q.x; s += w[i][5] * q.y; s += w[i][6] * q.z; s += w[i][7] * q.w;
+                        acc[i][0] = s;
+                    }
+                    continue;
+                }
+                // Inputs in groups of MV3_LG: one guard per group, so the group's R * MV3_LG
+                // FMA chains are independent code the compiler interleaves (one guarded block
+                // per input left each 8-FMA chain waiting on its own loads and on itself).
+                // Inputs past na in the last group read input na-1's staged row: their sums
+                // are never written, and no other input's chain sees them.
 #pragma unroll
-                        for (int i = 0; i < R; ++i) {
-                            float s = acc[i][a];
-                            s += w[i][0] * p.x; s += w[i][1] * p.y; s += w[i][2] * p.z; s += w[i][3] * p.w;
-                            s += w[i][4] * q.x; s += w[i][5] * q.y; s += w[i][6] * q.z; s += w[i][7] * q.w;
-                            acc[i][a] = s;
+                for (int a0 = 0; a0 < MV_LANES; a0 += MV3_LG) {
+                    if (a0 < na) {
+                        float4 p[MV3_LG], q[MV3_LG];
+#pragma unroll
+                        for (int g = 0; g < MV3_LG; ++g) {
+                            int a = a0 + g < na ? a0 + g : na - 1;
+                            p[g] = xs4[a * (KC / 4) + xb];
+                            q[g] = xs4[a * (KC / 4) + xb + 32];
                         }
+#pragma unroll
+                        for (int i = 0; i < R; ++i)
+#pragma unroll
+                            for (int g = 0; g < MV3_LG; ++g) {
+                                float s = acc[i][a0 + g];
+                                s += w[i][0] * p[g].x; s += w[i][1] * p[g].y; s += w[i][2] * p[g].z;
+                                s += w[i][3] * p[g].w; s += w[i][4] * q[g].x; s += w[i][5] * q[g].y;
+                                s += w[i][6] * q[g].z; s += w[i][7] * q[g].w;
+                                acc[i][a0 + g] = s;
+                            }
                     }
                 }
             }
