@@ -5,19 +5,9 @@
 # Run on the device with carry [".whlserve"] (wheels the device image lacks: gguf, fastapi,
 # uvicorn, pydantic, openai and their needs; see docs/kernels.md for how they were fetched).
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ds4ref_gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
+source "$(dirname "$0")/gpu_env.sh"
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-8} DS4REF_GPU_ERRLOG=$OUT/max_errors.tsv
 rc=0
-if ls .whlserve/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whlserve/*.whl || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 --version; } 2>&1 | tee "$OUT/env.log"
 
 echo "== all gpu tests"

@@ -5,21 +5,11 @@
 #   run with carry [".whl"]:  bash benchmarks/gpu_backend_run.sh
 #   STAGES=test,golden,bench (any subset); per-stage timeouts TEST_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ds4ref_gpu_out}
+source "$(dirname "$0")/gpu_env.sh"
 STAGES=${STAGES:-test,golden,bench}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-6}
 rc=0
 
-# gguf is not on the device image: install the carried wheel (pip download --no-deps gguf==0.19.0 -d .whl)
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
-else
-  export PYTHONPATH=$PWD
-fi
 { nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1
   python3 -c "import sys, numpy, gguf; print(sys.version); print('numpy', numpy.__version__)" 2>&1; } | tee "$OUT/env.log"
 

@@ -5,18 +5,8 @@
 # (context 256); a short table last. Run with carry [".whlserve"] (the server tests need
 # fastapi/openai/gguf):  bash benchmarks/gpu_lanes_run.sh
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ds4ref_gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
+source "$(dirname "$0")/gpu_env.sh"
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-4}
-if ls .whlserve/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whlserve/*.whl || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
 rc=0
 T0=$SECONDS
 stage() { echo "== [$((SECONDS - T0)) s] $*"; }

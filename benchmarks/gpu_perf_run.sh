@@ -6,18 +6,9 @@
 #   run with carry [".whl"]:  bash benchmarks/gpu_perf_run.sh
 #   STAGES: any of build,optest,backend,decode,ops,hf (default all)
 set -u -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ds4ref_gpu_out}
+source "$(dirname "$0")/gpu_env.sh"
 STAGES=${STAGES:-build,optest,backend,decode,ops,hf}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
-else
-  export PYTHONPATH=$PWD
-fi
 rc=0
 T0=$SECONDS
 stage() { echo "== [$((SECONDS - T0)) s] $*"; }
