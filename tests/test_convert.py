@@ -160,41 +160,36 @@ def test_packed_fp4_experts_refused(tmp_path, official_ck):
         convert(official_ck, tmp_path / "m.gguf")
 
 
-def test_scale_companion_refused_even_in_float(tmp_path, official_ck):
-    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.0.attn.wkv.scale", torch.ones(1, 1)))
-    with pytest.raises(ConvertError, match=r"'layers\.0\.attn\.wkv\.scale' is a quantisation scale"):
-        convert(official_ck, tmp_path / "m.gguf")
-
-
-def test_missing_tensor_named(tmp_path, official_ck):
-    _rewrite(official_ck, lambda sd: sd.pop("layers.2.attn.compressor.wgate.weight"))
-    with pytest.raises(ConvertError, match=r"missing tensors.*'blk\.2\.attn_compressor_gate\.weight'"):
-        convert(official_ck, tmp_path / "m.gguf")
-
-
-def test_missing_expert_named(tmp_path, official_ck):
-    _rewrite(official_ck, lambda sd: sd.pop("layers.3.ffn.experts.5.w3.weight"))
-    with pytest.raises(ConvertError, match=r"'blk\.3\.ffn_up_exps\.weight\[expert 5\]'"):
-        convert(official_ck, tmp_path / "m.gguf")
-
-
-def test_unexpected_tensor_named(tmp_path, official_ck):
-    # Layer 0 is a sliding-window layer: a compressor there is a config/checkpoint mismatch.
-    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.0.attn.compressor.ape", torch.zeros(4, 192)))
-    with pytest.raises(ConvertError, match=r"unexpected tensors.*'layers\.0\.attn\.compressor\.ape'"):
-        convert(official_ck, tmp_path / "m.gguf")
-
-
-def test_wrong_shape_named(tmp_path, official_ck):
-    _rewrite(official_ck, lambda sd: sd.__setitem__("layers.1.attn.wkv.weight", torch.zeros(3, 3)))
-    with pytest.raises(ConvertError, match=r"'layers\.1\.attn\.wkv\.weight' has shape \(3, 3\)"):
-        convert(official_ck, tmp_path / "m.gguf")
-
-
-def test_duplicate_spellings_refused(tmp_path, official_ck):
+# A checkpoint edit and the refusal it must produce, naming the tensor.
+BAD_CHECKPOINTS = {
+    "scale companion, even in float": (
+        lambda sd: sd.__setitem__("layers.0.attn.wkv.scale", torch.ones(1, 1)),
+        r"'layers\.0\.attn\.wkv\.scale' is a quantisation scale"),
+    "missing tensor": (
+        lambda sd: sd.pop("layers.2.attn.compressor.wgate.weight"),
+        r"missing tensors.*'blk\.2\.attn_compressor_gate\.weight'"),
+    "missing expert": (
+        lambda sd: sd.pop("layers.3.ffn.experts.5.w3.weight"),
+        r"'blk\.3\.ffn_up_exps\.weight\[expert 5\]'"),
+    # layer 0 is a sliding-window layer: a compressor there is a config/checkpoint mismatch
+    "unexpected tensor": (
+        lambda sd: sd.__setitem__("layers.0.attn.compressor.ape", torch.zeros(4, 192)),
+        r"unexpected tensors.*'layers\.0\.attn\.compressor\.ape'"),
+    "wrong shape": (
+        lambda sd: sd.__setitem__("layers.1.attn.wkv.weight", torch.zeros(3, 3)),
+        r"'layers\.1\.attn\.wkv\.weight' has shape \(3, 3\)"),
     # the same tensor under its official and its transformers name
-    _rewrite(official_ck, lambda sd: sd.__setitem__("model.layers.1.self_attn.sinks", sd["layers.1.attn.attn_sink"].clone()))
-    with pytest.raises(ConvertError, match="both map to 'blk.1.attn_sinks.weight'"):
+    "duplicate spellings": (
+        lambda sd: sd.__setitem__("model.layers.1.self_attn.sinks", sd["layers.1.attn.attn_sink"].clone()),
+        "both map to 'blk.1.attn_sinks.weight'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoint_refused_naming_the_tensor(tmp_path, official_ck, case):
+    edit, message = BAD_CHECKPOINTS[case]
+    _rewrite(official_ck, edit)
+    with pytest.raises(ConvertError, match=message):
         convert(official_ck, tmp_path / "m.gguf")
 
 
