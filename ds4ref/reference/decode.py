@@ -20,8 +20,8 @@ def compressor_step(lw: LayerWeights, kind: str, state, il: int, a: np.ndarray, 
     prefix = "attn_compressor" if kind == ATTN else "indexer_compressor"
     st = state.compressor(il, kind)
     ratio, d = st.ratio, st.width
-    st.cur_kv[pos % ratio] = (a @ lw[f"{prefix}_kv.weight"].T)[0]
-    st.cur_score[pos % ratio] = (a @ lw[f"{prefix}_gate.weight"].T)[0] + lw[f"{prefix}_ape.weight"][pos % ratio]
+    st.cur_kv[pos % ratio] = ops.linear(a, lw[f"{prefix}_kv.weight"])[0]
+    st.cur_score[pos % ratio] = ops.linear(a, lw[f"{prefix}_gate.weight"])[0] + lw[f"{prefix}_ape.weight"][pos % ratio]
     if (pos + 1) % ratio:
         return
     if ratio == 4:  # candidates: previous window's lane A, this window's lane B

@@ -55,10 +55,10 @@ def project_qkv(lw: LayerWeights, cfg: DS4Config, u: np.ndarray):
     """u (N, d) -> a (normed input), qr (q residual), q (N, H, D) unroped, kv (N, D) unroped."""
     eps = cfg.rms_eps
     a = ops.rmsnorm(u, lw["attn_norm.weight"], eps)
-    qr = ops.rmsnorm(a @ lw["attn_q_a.weight"].T, lw["attn_q_a_norm.weight"], eps)
-    q = (qr @ lw["attn_q_b.weight"].T).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
+    qr = ops.rmsnorm(ops.linear(a, lw["attn_q_a.weight"]), lw["attn_q_a_norm.weight"], eps)
+    q = ops.linear(qr, lw["attn_q_b.weight"]).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
     q = ops.rms0(q, eps)
-    kv = ops.rmsnorm(a @ lw["attn_kv.weight"].T, lw["attn_kv_a_norm.weight"], eps)
+    kv = ops.rmsnorm(ops.linear(a, lw["attn_kv.weight"]), lw["attn_kv_a_norm.weight"], eps)
     return a, qr, q, kv
 
 
@@ -67,12 +67,12 @@ def indexer_query(lw: LayerWeights, cfg: DS4Config, tables: Tables, numerics: st
     """Indexer query heads (N, Hi, Di), roped at the query position (then Hadamard + FP4
     in official numerics), and per-head weights (N, Hi) scaled by 1/sqrt(Hi*Di)."""
     n = a.shape[0]
-    qi = (qr @ lw["indexer.attn_q_b.weight"].T).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
+    qi = ops.linear(qr, lw["indexer.attn_q_b.weight"]).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
     qi = ops.rope(qi, cos[:, None, :], sin[:, None, :])
     if numerics == "official":
         qi = ops.qat(qi, tables.hadamard)
     scale = a.dtype.type(1.0 / math.sqrt(cfg.indexer_heads * cfg.indexer_head_dim))
-    wts = (a @ lw["indexer.proj.weight"].T) * scale
+    wts = ops.linear(a, lw["indexer.proj.weight"]) * scale
     return qi, wts
 
 
@@ -98,13 +98,14 @@ def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, token: int) ->
     """One token's FFN: routed experts (hash or learned routing) plus the shared expert."""
     hash_ids = lw["ffn_gate_tid2eid.weight"][token] if cfg.is_hash_layer(il) else None
     bias = None if hash_ids is not None else lw["exp_probs_b.bias"]
-    ids, w = ops.route(lw["ffn_gate_inp.weight"] @ x, cfg.n_expert_used, bias, hash_ids,
+    ids, w = ops.route(ops.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_expert_used, bias, hash_ids,
                        cfg.expert_weights_scale, cfg.expert_weights_norm)
     clamp = cfg.swiglu_clamp[il]
     y = np.zeros_like(x)
     for e, we in zip(ids, w):
         y += we * ops.swiglu(x, lw.expert("ffn_gate_exps.weight", e), lw.expert("ffn_up_exps.weight", e),
-                             lw.expert("ffn_down_exps.weight", e), clamp)
+                             lw.expert("ffn_down_exps.weight", e), clamp,
+                             split=False)
     if cfg.n_expert_shared:
         y += ops.swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"],
                         lw["ffn_down_shexp.weight"], clamp)
@@ -128,4 +129,4 @@ def head(weights, cfg: DS4Config, streams: np.ndarray) -> np.ndarray:
     x = ops.hc_head(streams, weights.get("output_hc_fn.weight"), weights.get("output_hc_base.weight"),
                     weights.get("output_hc_scale.weight"), cfg.rms_eps, cfg.hc_eps)
     x = ops.rmsnorm(x, weights.get("output_norm.weight"), cfg.rms_eps)
-    return x @ weights.get("output.weight").T
+    return ops.linear(x, weights.get("output.weight"))

@@ -1,9 +1,13 @@
 """DS4 primitives, each a pure function named from the paper (spec §3, §4).
 
-Every function works in the dtype of its inputs (float32 by default, float64
-for golden files). Functions take a leading batch axis where it is cheap to do
-so, so the per-token decode step and the whole-sequence prefill share them.
-The HIP kernels in ds4ref/hip are checked against these twins.
+Two arithmetics, chosen by the inputs' dtype:
+* float32 is the canonical arithmetic (canon.py, docs/exactness.md): fixed
+  reduction orders and exp/log1p built from IEEE operations, the very function
+  the HIP kernels compute, bit for bit;
+* float64 is plain NumPy maths, the oracle for golden files and the
+  transformers differential.
+Functions take a leading batch axis where it is cheap to do so, so the per-token
+decode step and the whole-sequence prefill share them.
 """
 from __future__ import annotations
 
@@ -12,7 +16,20 @@ import math
 import numba
 import numpy as np
 
+from . import canon
+
 NEG_INF = -np.inf
+
+
+def _canonical(x: np.ndarray) -> bool:
+    return np.asarray(x).dtype == np.float32
+
+
+def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
+    """x @ w.T (split=False for routed experts; see canon.linear)."""
+    if _canonical(x):
+        return canon.linear(x, w, split)
+    return x @ w.T
 
 # ---------------------------------------------------------------------------
 # Norms and activations
@@ -21,6 +38,8 @@ NEG_INF = -np.inf
 
 def rms0(x: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) over the last axis (no weight)."""
+    if _canonical(x):
+        return canon.rms0(x, eps)
     ms = np.mean(x * x, axis=-1, keepdims=True)
     return x / np.sqrt(ms + x.dtype.type(eps))
 
@@ -30,14 +49,20 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    if _canonical(x):
+        return canon.sigmoid(x)
     return 1.0 / (1.0 + np.exp(-x))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
+    if _canonical(x):
+        return canon.silu(x)
     return x * sigmoid(x)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
+    if _canonical(x):
+        return canon.softplus(x)
     return np.logaddexp(x.dtype.type(0), x)
 
 
@@ -69,7 +94,9 @@ def rope_omega(n_rot: int, base: float, yarn: tuple[float, int, float, float] | 
 
 
 def rope_cos_sin(omega: np.ndarray, pos: np.ndarray | int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin of theta = pos * omega, formed in the working dtype (official: f32(p)*f32(omega))."""
+    """cos/sin of theta = pos * omega, formed in the working dtype (float32: f32(p)*f32(omega))."""
+    if np.dtype(dtype) == np.float32:
+        return canon.rope_cos_sin(omega, pos)
     p = np.asarray(pos, dtype=dtype)[..., None]
     theta = p * omega.astype(dtype)
     return np.cos(theta), np.sin(theta)
@@ -153,7 +180,7 @@ def hadamard(n: int, dtype=np.float64) -> np.ndarray:
 
 def qat(v: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Indexer quantisation-aware path: Hadamard rotation, then FP4 E2M1 in blocks of 32."""
-    r = v @ h.T
+    r = canon.hadamard_rotate(v, h) if _canonical(v) else v @ h.T
     return _block_quant(r, 32, 6.0, 7.052966104933725e-38, e2m1_round)
 
 
@@ -207,6 +234,8 @@ def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndar
 
     comb[i, j] mixes old stream i into new stream j; the softmax runs over j.
     """
+    if _canonical(streams):
+        return canon.hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters)
     n, hc, d = streams.shape
     m = _hc_mix(streams, fn, rms_eps)
     pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + m.dtype.type(hc_eps)
@@ -220,11 +249,15 @@ def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndar
 
 def hc_post(streams: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     """S'[j] = post_j * y + sum_i comb[i, j] * S[i]."""
+    if _canonical(streams):
+        return canon.hc_post(streams, y, post, comb)
     return post[:, :, None] * y[:, None, :] + np.einsum("nij,nid->njd", comb, streams)
 
 
 def hc_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray,
             rms_eps: float, hc_eps: float) -> np.ndarray:
+    if _canonical(streams):
+        return canon.hc_head(streams, fn, base, scale, rms_eps, hc_eps)
     m = _hc_mix(streams, fn, rms_eps)
     pre = sigmoid(m * scale[0] + base) + m.dtype.type(hc_eps)
     return np.einsum("nk,nkd->nd", pre, streams)
@@ -241,6 +274,8 @@ def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray,
 
     The sink logit adds only to the softmax denominator. mask (..., N) True = visible.
     """
+    if _canonical(q):
+        return _attention_canonical(q, keys, sinks, mask)
     scale = q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
     z = (q @ np.swapaxes(keys, -1, -2)) * scale  # (..., H, N)
     if mask is not None:
@@ -252,11 +287,24 @@ def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray,
     return (e @ keys) / den
 
 
+def _attention_canonical(q, keys, sinks, mask):
+    """Canonical attention attends to the visible rows only, in their order."""
+    if q.ndim == 2:
+        return canon.attention_with_sinks(q, keys if mask is None else keys[mask], sinks)
+    ks = np.broadcast_to(keys, q.shape[:-2] + keys.shape[-2:])
+    ms = None if mask is None else np.broadcast_to(mask, q.shape[:-2] + mask.shape[-1:])
+    return np.stack([_attention_canonical(q[i], ks[i], sinks, None if ms is None else ms[i])
+                     for i in range(q.shape[0])])
+
+
 def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
     """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a."""
     n = o.shape[0]
     og = o.reshape(n, groups, -1)                      # (N, G, H/G*D)
     a = wo_a.reshape(groups, -1, og.shape[-1])         # (G, rank, H/G*D)
+    if _canonical(o):
+        z = np.concatenate([canon.linear(og[:, g], a[g], split=False) for g in range(groups)], axis=-1)
+        return canon.linear(z, wo_b)
     z = np.einsum("gri,ngi->ngr", a, og).reshape(n, -1)
     return z @ wo_b.T
 
@@ -271,6 +319,8 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
     Candidates with score -inf carry weight 0; if all are -inf the row is 0.
     """
+    if _canonical(kv):
+        return canon.pool_window(kv, score)
     mx = np.max(score, axis=-2, keepdims=True)
     mx = np.where(np.isfinite(mx), mx, 0.0)
     e = np.exp(score - mx)
@@ -281,6 +331,8 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """qi (Hi, Di), wts (Hi,) already scaled, keys (n, Di) -> (n,) = sum_h w_h relu(q_h . k)."""
+    if _canonical(qi):
+        return canon.indexer_scores(qi, wts, keys)
     dots = keys @ qi.T  # (n, Hi)
     return np.maximum(dots, 0) @ wts
 
@@ -311,12 +363,14 @@ def route(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np
         ids = topk_lower_index(s + bias, n_used)
     w = s[ids]
     if normalise:
-        w = w / np.sum(w)
+        w = w / (canon.seqsum(w[i] for i in range(w.size)) if _canonical(w) else np.sum(w))
     return ids, w * s.dtype.type(scale)
 
 
-def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float) -> np.ndarray:
-    """Clamped SwiGLU expert: gate <= clamp, up in [-clamp, clamp]."""
-    g = np.minimum(w1 @ x, clamp)
-    v = np.clip(w3 @ x, -clamp, clamp)
-    return w2 @ (silu(g) * v)
+def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
+           split: bool = True) -> np.ndarray:
+    """Clamped SwiGLU expert: gate <= clamp, up in [-clamp, clamp]. split=False for routed
+    experts (see canon.linear)."""
+    g = np.minimum(linear(x, w1, split), clamp)
+    v = np.clip(linear(x, w3, split), -clamp, clamp)
+    return linear(silu(g) * v, w2, split)

@@ -29,8 +29,8 @@ def window_candidates(c: np.ndarray, g: np.ndarray, ratio: int, width: int):
 def compressed_rows(lw, cfg, tables, numerics, a, ratio, prefix, width, hadamard_kind):
     """Every complete window's compressed row (n_windows, width)."""
     t = a.shape[0]
-    c = a @ lw[f"{prefix}_kv.weight"].T
-    g = a @ lw[f"{prefix}_gate.weight"].T + lw[f"{prefix}_ape.weight"][np.arange(t) % ratio]
+    c = ops.linear(a, lw[f"{prefix}_kv.weight"])
+    g = ops.linear(a, lw[f"{prefix}_gate.weight"]) + lw[f"{prefix}_ape.weight"][np.arange(t) % ratio]
     kv, score = window_candidates(c, g, ratio, width)
     if kv.shape[0] == 0:
         return np.zeros((0, width), a.dtype)
