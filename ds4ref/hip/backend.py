@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..reference import canon
 from ..reference.state import ATTN, INDEX
 from . import ops as K
 from .device_state import DeviceState, check_rows, lane_fields, lane_order
@@ -100,12 +101,14 @@ class HipBackend:
         self.rt.bind_thread()
         self._release_state()
         need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens)
+        need += 2 * 2 * 4 * (self.cfg.n_rot // 2) * min(self.cfg.context_length, n_pages * page_tokens)  # RoPE
         free, _total = self.rt.mem_info()
         if need > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
                                     f"state, {free / 2**30:.2f} GiB is free; use fewer")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios)
+        self._rope_tables(min(self.cfg.context_length, n_pages * page_tokens))
         self._alloc_workspace()
         rec = Recorder(self.rt)
         self._build(rec)
@@ -176,14 +179,27 @@ class HipBackend:
 
     def close(self) -> None:
         self._release_state()
+        for b in [*self.rope_cs.values(), self.hadamard]:
+            b.free()
+        self.rope_cs = {}
         self.w.free()
 
     # ---- constants and workspace ---------------------------------------------------------
     def _tables(self) -> None:
+        self.hadamard = self.rt.upload(np.asarray(self.model.tables.hadamard, F32))
+        self.rope_cs: dict[int, object] = {}
+
+    def _rope_tables(self, positions: int) -> None:
+        """cos/sin by position for both RoPE kinds, as the reference forms them
+        (canon.rope_cos_sin): the host computes them once, so both backends read the
+        same bits. Rows cover every position the pages can hold."""
+        for b in self.rope_cs.values():
+            b.free()
         t = self.model.tables
-        rt = self.rt
-        self.omega = {0: rt.upload(np.asarray(t.omega_main, F32)), 1: rt.upload(np.asarray(t.omega_compress, F32))}
-        self.hadamard = rt.upload(np.asarray(t.hadamard, F32))
+        pos = np.arange(positions)
+        for kind, omega in ((0, t.omega_main), (1, t.omega_compress)):
+            cos, sin = canon.rope_cos_sin(omega, pos)
+            self.rope_cs[kind] = self.rt.upload(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))
 
     def _alloc_workspace(self) -> None:
         c = self.cfg
@@ -248,8 +264,8 @@ class HipBackend:
 
     # small launch helpers ---------------------------------------------------------------
     def _mv(self, rec, name, x, y, **kw):
-        if K.KERNELS == "v3":  # padding lanes past the last row are skipped on the device
-            kw.update(lane_slot=self.state.lane("slot"), part=self._ws["ksplit"])
+        # padding lanes past the last row are skipped on the device
+        kw.update(lane_slot=self.state.lane("slot"), part=self._ws["ksplit"])
         K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
 
     def _norm(self, rec, x, wname, y, rows, D):
@@ -259,7 +275,7 @@ class HipBackend:
         half = self.cfg.n_rot // 2
         k = rec.compile_file("step_ops.hip").kernel("step_rope_pos")
         rec.launch(k, (_blocks(L * rows_per_lane * half, 256),), (256,),
-                   (v, posbuf, self.omega[1 if ratio else 0], I32(rows_per_lane), I32(D), I32(half),
+                   (v, posbuf, self.rope_cs[1 if ratio else 0], I32(rows_per_lane), I32(D), I32(half),
                     I32(1 if inverse else 0)))
 
     def _hc_pre(self, rec, il, part, streams):
@@ -268,7 +284,7 @@ class HipBackend:
         self._mv(rec, p + "fn.weight", streams, ws["mix"])
         rec.launch(K.kernel(rec, "hc", "ds4_hc_pre_finish"), (L,), (256,),
                    (streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
-                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F64(c.hc_eps), I32(c.hc_sinkhorn_iters),
+                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F32(c.hc_eps), I32(c.hc_sinkhorn_iters),
                     ws["u"], ws["post"], ws["comb"]))
 
     def _hc_post(self, rec, streams, y, out):
@@ -381,23 +397,16 @@ class HipBackend:
         per = st.layout.rows_per_page(ratio) if ratio else 1
         nvis = st.nvis(ratio) if ratio else st.lane("slot")  # unused without a store
         kso = rec.compile_file("step_state.hip").kernel
-        if K.KERNELS == "v3":
-            sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
-            rec.launch(kso("step_attention_split"), (_blocks(H, 8), L, self.at_nz), (256,),
-                       (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
-                        I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
-                        st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
-                        F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
-            rec.launch(kso("step_attention_combine"), (H, L), (128,),
-                       (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
-                        nvis, sel, I32(c.indexer_top_k), I32(c.sliding_window), I32(H), I32(D), I32(self.at_nz),
-                        ws["o"]))
-            return
-        rec.launch(kso("step_attention"), (_blocks(H, 8), L), (256,),
+        sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
+        rec.launch(kso("step_attention_split"), (_blocks(H, 8), L, self.at_nz), (256,),
                    (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
                     I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
-                    st.lane("pstart"), st.lane("flane"), nvis, self.w.vec(f"blk.{il}.attn_sinks.weight"),
-                    ws["o"], I32(H), I32(D), I32(c.sliding_window), F32(1.0 / math.sqrt(D))))
+                    st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
+                    F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
+        rec.launch(kso("step_attention_combine"), (H, L), (128,),
+                   (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
+                    nvis, sel, I32(c.indexer_top_k), I32(c.sliding_window), I32(H), I32(D), I32(self.at_nz),
+                    ws["o"]))
 
     def _commit(self, rec, il: int, kv) -> None:
         """Write the pass into the ring and the compressor state (after every reader)."""
@@ -459,13 +468,8 @@ class HipBackend:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
         ko = rec.compile_file("step_ops.hip").kernel
-        if K.KERNELS == "v3":
-            r = EXPERT_RPW if t.wtype in ("bf16",) or EXPERT_RPW <= 2 else 2
-            rec.launch(ko(f"step_experts3_{t.wtype}_r{r}"), (_blocks(N, 8 * r), E), (256,),
-                       (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
-                        I32(self.cfg.n_expert_used)))
-            return
-        rec.launch(ko(f"step_experts_{t.wtype}"), (_blocks(N, 16), E), (256,),
+        r = EXPERT_RPW if t.wtype in ("bf16",) or EXPERT_RPW <= 2 else 2
+        rec.launch(ko(f"step_experts3_{t.wtype}_r{r}"), (_blocks(N, 8 * r), E), (256,),
                    (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
                     I32(self.cfg.n_expert_used)))
 

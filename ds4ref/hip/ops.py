@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..reference import canon
 from .runtime import DeviceBuffer, Runtime, get_runtime
 
 I32, F32, F64 = np.int32, np.float32, np.float64
@@ -314,17 +315,14 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
 
 
 MATVEC2_MAX_ROWS = 2048
-# v3 K-split: matrices of at most KSPLIT_MAX_ROWS rows and at least 4 * KSPLIT_COLS columns
-# (hc projections 24 x 16384, router, indexer weights) are cut into KSPLIT_COLS-column slices,
-# so they occupy rows/8 x K/512 blocks instead of rows/8. The slice width depends on the shape
-# only; the slices are summed in order (ds4_matvec3_ksum).
-KSPLIT_COLS = 512
-KSPLIT_MAX_ROWS = 64
+# v3 K-split: few-row, long-row matrices (hc projections 24 x 16384, router, indexer
+# weights) are cut into column slices summed in order, so they occupy more blocks. The
+# rule is part of the canonical arithmetic (canon.ksplit): the reference slices the same.
 
 
 def matvec_ksplit(rows: int, cols: int) -> int:
-    """Columns per slice of the fixed K-split for this shape, 0 = not split."""
-    return KSPLIT_COLS if rows <= KSPLIT_MAX_ROWS and cols >= 4 * KSPLIT_COLS else 0
+    """Columns per slice of the fixed K-split for this shape, 0 = not split (canon.ksplit)."""
+    return canon.ksplit(rows, cols)
 
 
 def ksplit_floats(rows: int, cols: int) -> int:
@@ -443,7 +441,7 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
             u, post, comb = s.out((n, d)), s.out((n, hc)), s.out((n, hc, hc))
             rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(n, 1),), (256,),
                       (sb, mix, s.up(_f32(base)), s.up(_f32(scale)), I32(hc), I32(d), F32(rms_eps),
-                       F64(hc_eps), I32(iters), u, post, comb))
+                       F32(hc_eps), I32(iters), u, post, comb))
             return s.get(u, (n, d)), s.get(post, (n, hc)), s.get(comb, (n, hc, hc))
     finally:
         fw.buf.free()
@@ -477,33 +475,42 @@ def hc_post(streams, y, post, comb, rt=None):
 AT_DMAX = 512
 
 
-AT_SPLIT = 32  # keys per split (v2): fixed, so a lane's arithmetic never depends on the batch
-AT3_SPLIT = 32  # keys per slice of the backend's step_attention_split (step_state.hip)
+AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
+AT3_SPLIT = AT_SPLIT
 
 
 def attention_scratch(rt, L, H, D, total):
-    """Partial-result buffers for the v2 split attention: (m, den, acc), or None when not needed."""
-    nsplit = _blocks(total, AT_SPLIT) if total else 0
-    if KERNELS == "v1" or nsplit == 0:
-        return None
+    """Partial-result buffers of the split attention: (m, den, acc) per slice."""
+    nsplit = max(1, _blocks(total, AT_SPLIT))
     return (rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit * D))
 
 
-def launch_attention(rt, q, ring, ring_mask, Wc, comp, comp_mask, Cc, sinks, out, L, H, D, scratch=None):
+def launch_attention(rt, q, ring, ring_mask, Wc, comp, comp_mask, Cc, sinks, out, L, H, D, scratch):
+    """Slices of AT_SPLIT key rows, then the combine. Canonical when each lane's visible
+    rows come first and in order (attention_ring_comp packs them so)."""
     _need(D % 32 == 0 and D <= AT_DMAX, f"attention: head_dim {D} must be a multiple of 32 and <= {AT_DMAX}")
     scale = F32(1.0 / math.sqrt(D))
-    if KERNELS == "v1" or Wc + Cc == 0:
-        rt.launch(kernel(rt, "attention", "ds4_attention_sinks"), (_blocks(H, 8), L), (256,),
-                  (q, ring, ring_mask, I32(Wc), comp, comp_mask, I32(Cc), sinks, out, I32(H), I32(D), scale))
-        return
-    _need(scratch is not None, "attention v2 needs scratch buffers from attention_scratch()")
-    nsplit = _blocks(Wc + Cc, AT_SPLIT)
+    nsplit = max(1, _blocks(Wc + Cc, AT_SPLIT))
     pm, pd, pa = scratch
     rt.launch(kernel(rt, "attention", "ds4_attention_split"), (_blocks(H, 8), L, nsplit), (256,),
               (q, ring, ring_mask, I32(Wc), comp, comp_mask, I32(Cc), I32(H), I32(D), scale, I32(AT_SPLIT),
                pm, pd, pa))
     rt.launch(kernel(rt, "attention", "ds4_attention_combine"), (H, L), (128,),
               (pm, pd, pa, sinks, out, I32(H), I32(D), I32(nsplit)))
+
+
+def _pack_visible(ring, rm, comp, cm):
+    """Each lane's visible rows (ring rows, then compressed rows, in order) at the front,
+    as the canonical attention sees them: the slices are slices of visible rows."""
+    L, _, D = ring.shape
+    lanes = [np.concatenate([ring[i][rm[i]], comp[i][cm[i]]]) for i in range(L)]
+    cap = max([k.shape[0] for k in lanes] + [0])
+    keys = np.zeros((L, cap, D), F32)
+    mask = np.zeros((L, cap), np.uint8)
+    for i, k in enumerate(lanes):
+        keys[i, :k.shape[0]] = k
+        mask[i, :k.shape[0]] = 1
+    return keys, mask
 
 
 def attention_ring_comp(q, ring, ring_mask, comp, comp_mask, sinks, rt=None):
@@ -515,14 +522,16 @@ def attention_ring_comp(q, ring, ring_mask, comp, comp_mask, sinks, rt=None):
     q = _f32(q)
     L, H, D = q.shape
     ring, comp = _f32(ring).reshape(L, -1, D), _f32(comp).reshape(L, -1, D)
-    rm = np.ascontiguousarray(ring_mask, dtype=np.uint8).reshape(L, ring.shape[1])
-    cm = np.ascontiguousarray(comp_mask, dtype=np.uint8).reshape(L, comp.shape[1])
+    rm = np.asarray(ring_mask, dtype=bool).reshape(L, ring.shape[1])
+    cm = np.asarray(comp_mask, dtype=bool).reshape(L, comp.shape[1])
+    keys, mask = _pack_visible(ring, rm, comp, cm)
+    none = np.zeros((L, 0, D), F32)
     with _Scope(rt) as s:
         out = s.out((L, H, D))
-        scratch = attention_scratch(rt, L, H, D, ring.shape[1] + comp.shape[1])
-        s.bufs.extend(scratch or ())
-        launch_attention(rt, s.up(q), s.up(ring), s.up(rm), ring.shape[1], s.up(comp), s.up(cm), comp.shape[1],
-                         s.up(_f32(sinks)), out, L, H, D, scratch)
+        scratch = attention_scratch(rt, L, H, D, keys.shape[1])
+        s.bufs.extend(scratch)
+        launch_attention(rt, s.up(q), s.up(keys), s.up(mask), keys.shape[1], s.up(none),
+                         s.up(np.zeros((L, 0), np.uint8)), 0, s.up(_f32(sinks)), out, L, H, D, scratch)
         return s.get(out, (L, H, D))
 
 

@@ -53,6 +53,14 @@ class DeviceInfo:
     multiprocessors: int
 
 
+# The canonical arithmetic (docs/exactness.md) on each compiler: no multiply-add
+# contraction, IEEE division and square root, subnormals kept. NVRTC's own defaults
+# already give the last three; they are spelled out so no option file can flip them.
+NVRTC_EXACT = ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false")
+HIPRTC_EXACT = ("-ffp-contract=off", "-fno-fast-math", "-fhip-fp32-correctly-rounded-divide-sqrt",
+                "-fno-gpu-flush-denormals-to-zero")
+
+
 def load_source(filename: str) -> str:
     """Kernel source with the portability header inlined (NVRTC has no include path)."""
     path = KERNEL_DIR / filename
@@ -309,7 +317,7 @@ class CudaRuntime(Runtime):
             for ne in name_expressions:
                 self._check(nv.nvrtcAddNameExpression(prog, ne.encode()), f"nvrtcAddNameExpression({ne})")
             # NVRTC optimises by default and rejects -O3
-            opts = [f"--gpu-architecture={self.info.arch}", "-std=c++17", *options]
+            opts = [f"--gpu-architecture={self.info.arch}", "-std=c++17", *NVRTC_EXACT, *options]
             res = nv.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
             if _status(res[0]) != 0:
                 raise GpuError(f"cuda: nvrtcCompileProgram({name}) failed:\n{self._log(prog)}")
@@ -447,7 +455,7 @@ class HipRuntime(Runtime):
         try:
             for ne in name_expressions:
                 self._check(rtc.hiprtcAddNameExpression(prog, ne.encode()), f"hiprtcAddNameExpression({ne})")
-            opts = [f"--offload-arch={self.info.arch}", "-O3", "-std=c++17", *options]
+            opts = [f"--offload-arch={self.info.arch}", "-O3", "-std=c++17", *HIPRTC_EXACT, *options]
             res = rtc.hiprtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
             if _status(res[0]) != 0:
                 size = self._check(rtc.hiprtcGetProgramLogSize(prog), "hiprtcGetProgramLogSize")

@@ -35,23 +35,29 @@ _ZERO, _ONE, _TWO, _HALF = F32(0.0), F32(1.0), F32(2.0), F32(0.5)
 _INF = F32(np.inf)
 _NAN = F32(np.nan)
 
+# The constants are written as hexadecimal floats, exactly as ds4_hip.h writes them,
+# so neither side depends on how a compiler rounds a decimal literal.
+def _hex(h: str) -> np.float32:
+    return F32(float.fromhex(h))
+
+
 # exp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7 polynomial (Cephes expf's
 # coefficients), times 2^n. Results below 2^-125 flush to 0 and x > 88 gives inf,
 # so the scaling by 2^n is always exact (no subnormal results).
 _EXP_HI, _EXP_LO = F32(88.0), F32(-86.5)
-_LOG2E = F32(1.44269504088896341)
-_LN2_C1, _LN2_C2 = F32(0.693359375), F32(-2.12194440e-4)  # C1 has 9 bits: n * C1 is exact
-_ROUND = F32(12582912.0)  # 1.5 * 2^23: (y + R) - R rounds y to an integer, ties to even
-_E0, _E1, _E2 = F32(1.9875691500e-4), F32(1.3981999507e-3), F32(8.3334519073e-3)
-_E3, _E4, _E5 = F32(4.1665795894e-2), F32(1.6666665459e-1), F32(5.0000001201e-1)
+_LOG2E = _hex("0x1.715476p+0")
+_LN2_C1, _LN2_C2 = _hex("0x1.63p-1"), _hex("-0x1.bd0106p-13")  # C1 has 9 bits: n * C1 is exact
+_ROUND = _hex("0x1.8p+23")  # 1.5 * 2^23: (y + R) - R rounds y to an integer, ties to even
+_E0, _E1, _E2 = _hex("0x1.a0d2cep-13"), _hex("0x1.6e879cp-10"), _hex("0x1.111210p-7")
+_E3, _E4, _E5 = _hex("0x1.555382p-5"), _hex("0x1.555554p-3"), _hex("0x1p-1")
 _POW2 = np.array([2.0 ** k for k in range(-126, 128)], dtype=F32)
 
 # log1p: 1 + x = m 2^k with m in [sqrt(1/2), sqrt(2)), log(m) from s = f / (2 + f),
 # f = m - 1 (fdlibm's logf polynomial), plus the rounding error of 1 + x.
-_SQRTH = F32(0.70710678118654752)
-_LG1, _LG2 = F32(0.66666662693), F32(0.40000972152)
-_LG3, _LG4 = F32(0.28498786688), F32(0.24279078841)
-_LN2_HI, _LN2_LO = F32(6.9313812256e-01), F32(9.0580006145e-06)
+_SQRTH = _hex("0x1.6a09e6p-1")
+_LG1, _LG2 = _hex("0x1.555554p-1"), _hex("0x1.999c26p-2")
+_LG3, _LG4 = _hex("0x1.23d3dcp-2"), _hex("0x1.f13c4cp-3")
+_LN2_HI, _LN2_LO = _hex("0x1.62e3p-1"), _hex("0x1.2fefa2p-17")
 
 
 # ---------------------------------------------------------------------------

@@ -2,24 +2,30 @@
 
     python -m tests.golden.make_golden          # rewrites tests/golden/*.json
 
-For each numeric mode, in float64: greedy continuations of several prompts
-(lengths 1 to 600, drawn from fixed seeds) with the reference's top-2 logit gap
-at each generated token, and logit fingerprints (per-position argmax, max logit
-and logsumexp; the last position's top-16) from the whole-sequence score().
+For each numeric mode, from fixed prompts (lengths 1 to 600, drawn from fixed seeds):
+* float64, plain NumPy maths: greedy continuations, and logit fingerprints (per-position
+  argmax, max logit and logsumexp; the last position's top-16) from the whole-sequence
+  score();
+* float32, the canonical arithmetic (docs/exactness.md): greedy continuations, and the
+  sha256 of the logits' bits at every position of prompt + continuation, fed through a
+  backend's slot 16 rows a pass. Every backend must reproduce these bit for bit.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
 import ds4ref
+from ds4ref.backend import Row, StepPlan
 
 HERE = Path(__file__).parent
 PROMPT_LENGTHS = (1, 7, 64, 203, 600)
 NEW_TOKENS = 16
 TOP = 16
+ROWS_PER_PASS = 16
 
 
 def golden_prompts(vocab: int) -> list[list[int]]:
@@ -34,20 +40,38 @@ def fingerprint(logits: np.ndarray) -> dict:
             "last_top_ids": top.tolist(), "last_top_values": logits[-1, top].tolist()}
 
 
-def top2_gaps(model, ids: list[int], new: list[int]) -> list[float]:
-    logits = model.score(ids + new)[len(ids) - 1: len(ids) - 1 + len(new)]
-    part = -np.sort(-logits, axis=1)[:, :2]
-    return (part[:, 0] - part[:, 1]).tolist()
+def backend_logits(backend, ids: list[int], page_tokens: int = 128) -> np.ndarray:
+    """Logits (T, vocab) of every position of ids, fed to one slot of `backend`."""
+    pages = -(-len(ids) // page_tokens)
+    backend.configure(1, pages, page_tokens)
+    backend.reset_slot(0)
+    backend.set_block_table(0, list(range(pages)))
+    out = []
+    for p0 in range(0, len(ids), ROWS_PER_PASS):
+        rows = [Row(0, p, int(t)) for p, t in enumerate(ids[p0:p0 + ROWS_PER_PASS], start=p0)]
+        out += backend.step(StepPlan.from_rows(rows)).logits
+    return np.stack(out)
+
+
+def logits_sha256(logits: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()
+
+
+def float32_case(model, ids: list[int]) -> dict:
+    new = model.generate(ids, NEW_TOKENS)
+    logits = backend_logits(model.make_backend("numpy"), ids + new[:-1])
+    return {"greedy": new, "logits_sha256": logits_sha256(logits)}
 
 
 def make(numerics: str) -> dict:
-    model = ds4ref.load(numerics=numerics, dtype=np.float64)
+    m64 = ds4ref.load(numerics=numerics, dtype=np.float64)
+    m32 = ds4ref.load(numerics=numerics, dtype=np.float32)
     cases = []
-    for ids in golden_prompts(model.config.vocab_size):
-        new = model.generate(ids, NEW_TOKENS)
-        cases.append({"prompt": ids, "greedy": new, "top2_gap": top2_gaps(model, ids, new),
-                      "fingerprint": fingerprint(model.score(ids))})
+    for ids in golden_prompts(m64.config.vocab_size):
+        cases.append({"prompt": ids, "greedy": m64.generate(ids, NEW_TOKENS), "fingerprint": fingerprint(m64.score(ids)),
+                      "float32": float32_case(m32, ids)})
     return {"model": "embedded ds4-tiny", "numerics": numerics, "dtype": "float64",
+            "float32": "canonical arithmetic, docs/exactness.md",
             "regenerate": "python -m tests.golden.make_golden", "cases": cases}
 
 

@@ -130,3 +130,45 @@ __device__ __forceinline__ float ds4_pow2_ceil(float y) {
     if (m == 0.5f) e -= 1;
     return ldexpf(1.0f, e);
 }
+
+// ---- the canonical exp / log1p (reference/canon.py, docs/exactness.md) -----
+// Built only from correctly rounded + - * /, so NumPy and both GPU vendors give the
+// same bits. Kernels are compiled with contraction off (runtime.py), so no
+// multiply-add below is fused. Constants are hexadecimal floats, as canon.py has them.
+
+__device__ __forceinline__ float ds4_exp(float x) {
+    if (x != x) return x;
+    if (x > 88.0f) return DS4_INF;
+    if (x < -86.5f) return 0.0f;  // results below 2^-125 flush to 0: 2^n below stays normal
+    float n = (x * 0x1.715476p+0f + 0x1.8p+23f) - 0x1.8p+23f;  // round to integer, ties to even
+    float r = (x - n * 0x1.63p-1f) - n * -0x1.bd0106p-13f;
+    float z = r * r;
+    float p = 0x1.a0d2cep-13f * r + 0x1.6e879cp-10f;
+    p = p * r + 0x1.111210p-7f;
+    p = p * r + 0x1.555382p-5f;
+    p = p * r + 0x1.555554p-3f;
+    p = p * r + 0x1p-1f;
+    p = (p * z + r) + 1.0f;
+    return p * __int_as_float(((int)n + 127) << 23);
+}
+
+__device__ __forceinline__ float ds4_log1p(float x) {
+    if (x != x || x == DS4_INF) return x;
+    if (x <= -1.0f) return x == -1.0f ? -DS4_INF : DS4_NAN;
+    float u = 1.0f + x;
+    int k;
+    float m = frexpf(u, &k);
+    if (m < 0x1.6a09e6p-1f) { m = m * 2.0f; k -= 1; }
+    float c = k > 0 ? (1.0f - (u - x)) / u : (x - (u - 1.0f)) / u;
+    float f = m - 1.0f;
+    float s = f / (2.0f + f);
+    float z = s * s, w = z * z;
+    float R = z * (0x1.555554p-1f + w * 0x1.23d3dcp-2f) + w * (0x1.999c26p-2f + w * 0x1.f13c4cp-3f);
+    float hfsq = 0.5f * f * f;
+    float kf = (float)k;
+    return kf * 0x1.62e3p-1f - ((hfsq - (s * (hfsq + R) + (kf * 0x1.2fefa2p-17f + c))) - f);
+}
+
+__device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + ds4_exp(-x)); }
+
+__device__ __forceinline__ float ds4_softplus(float x) { return fmaxf(x, 0.0f) + ds4_log1p(ds4_exp(-fabsf(x))); }

@@ -4,16 +4,14 @@
 
 #define HC_MAX 8  // hc_mult limit: mixes <= 2*8 + 64
 
-__device__ __forceinline__ float hc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
 // Per row n (one block): r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
 // pre = sigmoid(m[:hc]*scale0 + base) + hc_eps; post = 2*sigmoid(...);
 // comb = softmax over j of the hc x hc logits + hc_eps, then Sinkhorn exactly as
-// ops._sinkhorn (column pass first; sums and divisions in double, as numba does
-// with its float64 accumulator); u = sum_k pre_k * streams[k].
+// canon._sinkhorn (column pass first; sums in index order, all float32);
+// u = sum_k pre_k * streams[k].
 extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
                                              const float* __restrict__ base, const float* __restrict__ scale,
-                                             int hc, int d, float rms_eps, double hc_eps, int iters,
+                                             int hc, int d, float rms_eps, float hc_eps, int iters,
                                              float* __restrict__ u, float* __restrict__ post,
                                              float* __restrict__ comb) {
     __shared__ float scratch[32];
@@ -25,45 +23,45 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
     for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
     ss = ds4_block_sum(ss, scratch);
     float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
-    float eps32 = (float)hc_eps;
+    float eps32 = hc_eps;
     const float* mr = mix_raw + (long long)n * mixn;
     if (hc * hc <= DS4_WARP) {
         // Warp 0, one comb entry (i, j) per lane k = i*hc + j. Every sum runs over the
         // same terms in the same order as the serial version below (each lane of a row
         // or column adds the row's/column's entries, fetched by shuffle, in index order),
         // and each entry is divided by that sum: identical results, but the ~2*iters*hc
-        // dependent double divisions of one thread become 2*iters.
+        // dependent divisions of one thread become 2*iters.
         if (threadIdx.x < DS4_WARP) {
             int k = threadIdx.x;
             int hh = hc * hc;
             int i = k < hh ? k / hc : 0, j = k < hh ? k % hc : 0;
             if (k < hc) {
-                pre_s[k] = hc_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
-                post[(long long)n * hc + k] = 2.0f * hc_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
+                pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+                post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
             }
             float v = k < hh ? (mr[2 * hc + k] * r) * scale[2] + base[2 * hc + k] : 0.0f;
             float mx = -DS4_INF;
             for (int jj = 0; jj < hc; ++jj) mx = fmaxf(mx, DS4_SHFL(v, i * hc + jj));
-            v = expf(v - mx);
+            v = ds4_exp(v - mx);
             float sum = 0.0f;
             for (int jj = 0; jj < hc; ++jj) sum += DS4_SHFL(v, i * hc + jj);
             v = v / sum + eps32;
             for (int it = 0; it < iters; ++it) {
                 if (it > 0) {
-                    double sr = 0.0;
-                    for (int jj = 0; jj < hc; ++jj) sr += (double)DS4_SHFL(v, i * hc + jj);
-                    v = (float)((double)v / (sr + hc_eps));
+                    float sr = 0.0f;
+                    for (int jj = 0; jj < hc; ++jj) sr += DS4_SHFL(v, i * hc + jj);
+                    v = v / (sr + eps32);
                 }
-                double sc = 0.0;
-                for (int ii = 0; ii < hc; ++ii) sc += (double)DS4_SHFL(v, ii * hc + j);
-                v = (float)((double)v / (sc + hc_eps));
+                float sc = 0.0f;
+                for (int ii = 0; ii < hc; ++ii) sc += DS4_SHFL(v, ii * hc + j);
+                v = v / (sc + eps32);
             }
             if (k < hh) comb[(long long)n * hh + k] = v;
         }
     } else if (threadIdx.x == 0) {
         for (int k = 0; k < hc; ++k) {
-            pre_s[k] = hc_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
-            post[(long long)n * hc + k] = 2.0f * hc_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
+            pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+            post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
         }
         float c[HC_MAX * HC_MAX];
         for (int i = 0; i < hc; ++i) {  // softmax over j for each i
@@ -74,23 +72,23 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
                 mx = fmaxf(mx, c[i * hc + j]);
             }
             float sum = 0.0f;
-            for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
+            for (int j = 0; j < hc; ++j) { c[i * hc + j] = ds4_exp(c[i * hc + j] - mx); sum += c[i * hc + j]; }
             for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + eps32;
         }
         for (int it = 0; it < iters; ++it) {
             if (it > 0) {
                 for (int i = 0; i < hc; ++i) {
-                    double s = 0.0;
-                    for (int j = 0; j < hc; ++j) s += (double)c[i * hc + j];
-                    double dd = s + hc_eps;
-                    for (int j = 0; j < hc; ++j) c[i * hc + j] = (float)((double)c[i * hc + j] / dd);
+                    float s = 0.0f;
+                    for (int j = 0; j < hc; ++j) s += c[i * hc + j];
+                    float dd = s + eps32;
+                    for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / dd;
                 }
             }
             for (int j = 0; j < hc; ++j) {
-                double s = 0.0;
-                for (int i = 0; i < hc; ++i) s += (double)c[i * hc + j];
-                double dd = s + hc_eps;
-                for (int i = 0; i < hc; ++i) c[i * hc + j] = (float)((double)c[i * hc + j] / dd);
+                float s = 0.0f;
+                for (int i = 0; i < hc; ++i) s += c[i * hc + j];
+                float dd = s + eps32;
+                for (int i = 0; i < hc; ++i) c[i * hc + j] = c[i * hc + j] / dd;
             }
         }
         for (int t = 0; t < hc * hc; ++t) comb[(long long)n * hc * hc + t] = c[t];

@@ -5,12 +5,6 @@
 #define RT_MAXE 1024
 #define RT_MAXK 32
 
-// NumPy's logaddexp(0, x) in f32: the same branches, so the same function.
-__device__ __forceinline__ float rt_softplus(float x) {
-    if (x == 0.0f) return 0.69314718055994530942f;
-    if (x > 0.0f) return x + log1pf(expf(-x));
-    return log1pf(expf(x));
-}
 
 // One block per token. ids/w are (L, k); bias may be null (no bias); hash_ids
 // (L, k) non-null selects those experts instead. ids come out ascending so the
@@ -24,7 +18,7 @@ extern "C" __global__ void ds4_route(const float* __restrict__ logits, const flo
     int l = blockIdx.x;
     const float* x = logits + (long long)l * E;
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
-        float v = sqrtf(rt_softplus(x[i]));
+        float v = sqrtf(ds4_softplus(x[i]));
         s[i] = v;
         sel[i] = bias ? v + bias[i] : v;
         chosen[i] = 0;
@@ -70,8 +64,7 @@ extern "C" __global__ void ds4_swiglu_act(const float* __restrict__ g, const flo
     if (i >= n) return;
     float gv = fminf(g[i], clamp);
     float uv = fminf(fmaxf(u[i], -clamp), clamp);
-    float sig = 1.0f / (1.0f + expf(-gv));
-    h[i] = __fmul_rn(__fmul_rn(gv, sig), uv);
+    h[i] = (gv * ds4_sigmoid(gv)) * uv;
 }
 
 // Index of the largest value per row (lower index wins ties), one block per row.

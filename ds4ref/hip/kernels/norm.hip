@@ -18,6 +18,6 @@ extern "C" __global__ void ds4_rmsnorm(const float* __restrict__ x, const float*
     float den = sqrtf(s / (float)D + eps);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         float v = xr[i] / den;
-        yr[i] = w ? __fmul_rn(w[i], v) : v;
+        yr[i] = w ? w[i] * v : v;
     }
 }

@@ -17,7 +17,7 @@ extern "C" __global__ void ds4_pool_window(const float* __restrict__ kv, const f
     if (!(mx > -DS4_INF && mx < DS4_INF)) mx = 0.0f;
     float den = 0.0f, num = 0.0f;
     for (int c = 0; c < C; ++c) {
-        float e = expf(sr[(long long)c * D] - mx);
+        float e = ds4_exp(sr[(long long)c * D] - mx);
         den += e;
         num += e * kr[(long long)c * D];
     }

@@ -38,22 +38,20 @@ extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, co
 }
 
 // In-place RoPE of the last 2*half dims of rows (16 * rows_per_lane, D), interleaved
-// pairs, at theta = f32(pos[lane]) * omega[p] as ops.rope_cos_sin forms it. Products
-// are rounded separately (no FMA contraction), as in the reference.
-extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* omega, int rows_per_lane,
+// pairs, with cos/sin read from the host's table cs[pos][p] = (cos, sin) (canon.rope_cos_sin).
+extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* cs, int rows_per_lane,
                                          int D, int half, int inverse) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)SO_LANES * rows_per_lane * half) return;
     int p = (int)(idx % half);
     long long row = idx / half;
     int l = (int)(row / rows_per_lane);
-    float theta = (float)pos[l] * omega[p];
-    float c = cosf(theta), s = sinf(theta);
-    if (inverse) s = -s;
+    const float* t = cs + ((long long)pos[l] * half + p) * 2;
+    float c = t[0], s = inverse ? -t[1] : t[1];
     float* r = v + row * D + (D - 2 * half) + 2 * p;
     float a = r[0], b = r[1];
-    r[0] = __fmul_rn(a, c) - __fmul_rn(b, s);
-    r[1] = __fmul_rn(a, s) + __fmul_rn(b, c);
+    r[0] = a * c - b * s;
+    r[1] = a * s + b * c;
 }
 
 // Hash routing: ids[l, t] = tid2eid[tok[l], t].
@@ -237,7 +235,7 @@ extern "C" __global__ void step_moe_combine(const float* down, const float* w, c
     if (idx >= (long long)SO_LANES * d) return;
     int l = (int)(idx / d), e = (int)(idx % d);
     float acc = 0.0f;
-    for (int t = 0; t < kk; ++t) acc += __fmul_rn(w[l * kk + t], down[((long long)l * kk + t) * d + e]);
+    for (int t = 0; t < kk; ++t) acc += w[l * kk + t] * down[((long long)l * kk + t) * d + e];
     y[idx] = shared ? acc + shared[idx] : acc;
 }
 
@@ -256,7 +254,7 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
     if (threadIdx.x < hc) {
         float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
         float m = mix[(long long)l * hc + threadIdx.x] * r;
-        pre[threadIdx.x] = 1.0f / (1.0f + expf(-(m * scale[0] + base[threadIdx.x]))) + hc_eps;
+        pre[threadIdx.x] = ds4_sigmoid(m * scale[0] + base[threadIdx.x]) + hc_eps;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < d; e += blockDim.x) {

@@ -227,69 +227,6 @@ __device__ __forceinline__ const float* key_row(const KeySrc& k, int l, int s, i
     return k.store + ((long long)page * k.per + r % k.per) * k.D;
 }
 
-// Block = (tile of 8 heads, lane); warp w is head tile*8+w. Online softmax over the
-// keys in their fixed order; the sink adds to the denominator only. Padding lanes
-// write zeros.
-extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
-step_attention(const float* __restrict__ q, const float* pass_kv, const float* ring, long long ring_stride,
-               const float* store, const int* btab, int maxp, int per, const int* sel, int ksel,
-               const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
-               const float* __restrict__ sinks, float* __restrict__ out, int H, int D, int W, float scale) {
-    __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
-    KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D};
-    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int l = blockIdx.y;
-    int h = blockIdx.x * AT_WARPS + warp;
-    int s = slot[l], p = pos[l];
-    int lo = p - W + 1 > 0 ? p - W + 1 : 0;
-    int nraw = s >= 0 ? p - lo + 1 : 0;
-    int ncomp = 0;
-    if (s >= 0 && store) {
-        ncomp = nvis[l];
-        if (sel && ncomp > ksel) ncomp = ksel;
-    }
-    int total = nraw + ncomp;
-    int nd = D / DS4_WARP;
-    bool active = h < H;
-    float qv[AT_DPL], acc[AT_DPL];
-    for (int t = 0; t < AT_DPL; ++t) {
-        qv[t] = (active && t < nd) ? q[((long long)l * H + h) * D + lane + DS4_WARP * t] : 0.0f;
-        acc[t] = 0.0f;
-    }
-    float m = -DS4_INF, den = 0.0f;
-    for (int n0 = 0; n0 < total; n0 += AT_KT) {
-        int nk = total - n0 < AT_KT ? total - n0 : AT_KT;
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < nk * D; idx += blockDim.x) {
-            int rr = idx / D, dd = idx % D;
-            ks[rr * AT_DMAX + dd] = key_row(k, l, s, lo, nraw, pstart[l], flane[l], n0 + rr)[dd];
-        }
-        __syncthreads();
-        if (!active) continue;
-        for (int rr = 0; rr < nk; ++rr) {
-            const float* kr = ks + rr * AT_DMAX;
-            float part = 0.0f;
-            for (int t = 0; t < AT_DPL; ++t)
-                if (t < nd) part += qv[t] * kr[lane + DS4_WARP * t];
-            float sc = ds4_warp_sum(part) * scale;
-            float mn = fmaxf(m, sc);
-            float c = expf(m - mn);  // 0 while m is -inf (acc and den are 0 then)
-            float e = expf(sc - mn);
-            den = den * c + e;
-            for (int t = 0; t < AT_DPL; ++t)
-                if (t < nd) acc[t] = acc[t] * c + e * kr[lane + DS4_WARP * t];
-            m = mn;
-        }
-    }
-    if (!active) return;
-    float sk = sinks[h];
-    float mf = fmaxf(m, sk);
-    float c = expf(m - mf);
-    float dtot = den * c + expf(sk - mf);
-    for (int t = 0; t < nd; ++t)
-        out[((long long)l * H + h) * D + lane + DS4_WARP * t] = s >= 0 ? acc[t] * c / dtot : 0.0f;
-}
-
 // ---- attention split over keys (v3) -------------------------------------------
 // The same keys as step_attention, cut into fixed slices of AT3_SPLIT keys (z of the
 // grid's third dimension; the grid covers the most keys any lane can have). Block (tile,
@@ -355,14 +292,14 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const fl
                 if (t < nd) part += qv[t] * kr[lane + DS4_WARP * t];
             float sc = ds4_warp_sum(part) * scale;
             if (sc > m) {
-                float c = expf(m - sc);  // 0 while m is -inf (acc and den are 0 then)
+                float c = ds4_exp(m - sc);  // 0 while m is -inf (acc and den are 0 then)
                 den = den * c + 1.0f;
 #pragma unroll
                 for (int t = 0; t < AT_DPL; ++t)
                     if (t < nd) acc[t] = acc[t] * c + kr[lane + DS4_WARP * t];
                 m = sc;
             } else {
-                float e = expf(sc - m);
+                float e = ds4_exp(sc - m);
                 den += e;
 #pragma unroll
                 for (int t = 0; t < AT_DPL; ++t)
@@ -399,11 +336,11 @@ extern "C" __global__ void step_attention_combine(const float* __restrict__ part
     float sk = sinks[h];
     float mf = sk;
     for (int z = 0; z < nsl; ++z) mf = fmaxf(mf, part_m[base + z]);
-    float dtot = expf(sk - mf);
-    for (int z = 0; z < nsl; ++z) dtot += part_den[base + z] * expf(part_m[base + z] - mf);
+    float dtot = ds4_exp(sk - mf);
+    for (int z = 0; z < nsl; ++z) dtot += part_den[base + z] * ds4_exp(part_m[base + z] - mf);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float a = 0.0f;
-        for (int z = 0; z < nsl; ++z) a += part_acc[(base + z) * D + d] * expf(part_m[base + z] - mf);
+        for (int z = 0; z < nsl; ++z) a += part_acc[(base + z) * D + d] * ds4_exp(part_m[base + z] - mf);
         o[d] = a / dtot;
     }
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one device run: build every kernel, check the GPU path bit for bit against the
+# NumPy reference, and time it. Run it on the GPU machine with carry [".whl"] (the wheels
+# of benchmarks/device_wheels.txt; fetch them with benchmarks/fetch_device_wheels.sh):
+#   bash benchmarks/gpu_check.sh
+# STAGES picks any of build,ops,backend,golden,serve,decode (default: all). Logs and
+# tables land under $OUT, which the device tool brings back.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ds4ref_gpu_out}
+STAGES=${STAGES:-build,ops,backend,golden,serve,decode}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
+export PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+WORKERS=${WORKERS:-12}            # pytest-xdist workers: the NumPy side of the cross-backend property
+export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12}
+export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-12} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-17}
+rc=0
+T0=$SECONDS
+stage() { echo "== [$((SECONDS - T0)) s] $*"; }
+has() { [[ ,$STAGES, == *,$1,* ]]; }
+pytest_gpu() { python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider "$@"; }
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
+  python3 -c "import cuda.bindings as c; print('cuda-bindings', c.__version__)"; } 2>&1 | tee "$OUT/env.log"
+
+if has build; then
+  stage "build: compile every kernel file"
+  timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/build.log" || { echo "BUILD FAILED"; exit 1; }
+import time
+from ds4ref.hip.runtime import get_runtime, KERNEL_DIR
+rt = get_runtime()
+print("runtime", rt.kind, rt.info)
+for f in sorted(KERNEL_DIR.glob("*.hip")):
+    t = time.time(); rt.compile_file(f.name); print(f"compiled {f.name} in {time.time() - t:.2f} s")
+PY
+fi
+if has ops; then
+  stage "op twins, bitwise"
+  timeout ${OPS_TIMEOUT:-200} pytest_gpu -m gpu tests/gpu/test_ops_gpu.py -n 4 2>&1 | tee "$OUT/ops.log" || rc=1
+fi
+if has backend; then
+  stage "HipBackend vs NumpyBackend, bitwise ($DS4REF_CROSS_SHARDS x $DS4REF_CROSS_EXAMPLES cross-backend examples per numerics)"
+  timeout ${BACKEND_TIMEOUT:-330} pytest_gpu -m gpu tests/gpu/test_hip_backend.py -n "$WORKERS" 2>&1 \
+    | tee "$OUT/backend.log" || rc=1
+fi
+if has golden; then
+  stage "golden files through the HIP backend"
+  DS4REF_BACKEND=hip timeout 150 pytest_gpu -m golden tests/test_golden.py 2>&1 | tee "$OUT/golden.log" || rc=1
+fi
+if has serve; then
+  stage "hip server with the openai client"
+  timeout 150 pytest_gpu -m gpu tests/gpu/test_serve_hip.py 2>&1 | tee "$OUT/serve.log" || rc=1
+fi
+if has decode; then
+  stage "decode benchmark (8-layer Flash-shaped bf16)"
+  timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" ${DECODE_ARGS:-} 2>&1 \
+    | tee "$OUT/decode.log" || rc=1
+fi
+stage "done rc=$rc"
+exit $rc
