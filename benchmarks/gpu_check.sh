@@ -24,7 +24,7 @@ rc=0
 T0=$SECONDS
 stage() { echo "== [$((SECONDS - T0)) s] $*"; }
 has() { [[ ,$STAGES, == *,$1,* ]]; }
-pytest_gpu() { python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider "$@"; }
+PYTEST="python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -p no:benchmark"
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
   python3 -c "import cuda.bindings as c; print('cuda-bindings', c.__version__)"; } 2>&1 | tee "$OUT/env.log"
@@ -42,20 +42,20 @@ PY
 fi
 if has ops; then
   stage "op twins, bitwise"
-  timeout ${OPS_TIMEOUT:-200} pytest_gpu -m gpu tests/gpu/test_ops_gpu.py -n 4 2>&1 | tee "$OUT/ops.log" || rc=1
+  timeout ${OPS_TIMEOUT:-200} $PYTEST -m gpu tests/gpu/test_ops_gpu.py -n 4 2>&1 | tee "$OUT/ops.log" || rc=1
 fi
 if has backend; then
   stage "HipBackend vs NumpyBackend, bitwise ($DS4REF_CROSS_SHARDS x $DS4REF_CROSS_EXAMPLES cross-backend examples per numerics)"
-  timeout ${BACKEND_TIMEOUT:-330} pytest_gpu -m gpu tests/gpu/test_hip_backend.py -n "$WORKERS" 2>&1 \
+  timeout ${BACKEND_TIMEOUT:-330} $PYTEST -m gpu tests/gpu/test_hip_backend.py -n "$WORKERS" 2>&1 \
     | tee "$OUT/backend.log" || rc=1
 fi
 if has golden; then
   stage "golden files through the HIP backend"
-  DS4REF_BACKEND=hip timeout 150 pytest_gpu -m golden tests/test_golden.py 2>&1 | tee "$OUT/golden.log" || rc=1
+  DS4REF_BACKEND=hip timeout 150 $PYTEST -m golden tests/test_golden.py 2>&1 | tee "$OUT/golden.log" || rc=1
 fi
 if has serve; then
   stage "hip server with the openai client"
-  timeout 150 pytest_gpu -m gpu tests/gpu/test_serve_hip.py 2>&1 | tee "$OUT/serve.log" || rc=1
+  timeout 150 $PYTEST -m gpu tests/gpu/test_serve_hip.py 2>&1 | tee "$OUT/serve.log" || rc=1
 fi
 if has decode; then
   stage "decode benchmark (8-layer Flash-shaped bf16)"

@@ -146,15 +146,21 @@ class DS4Config:
         need(self.n_rot <= self.indexer_head_dim, "rope.dimension_count exceeds the indexer key_length")
         need(self.n_head % self.o_groups == 0,
              f"head_count {self.n_head} is not a multiple of output_group_count {self.o_groups}")
-        ihd = self.indexer_head_dim
-        need(ihd & (ihd - 1) == 0 and ihd % 32 == 0,
-             f"indexer key_length {ihd} must be a power of two and a multiple of 32 (Hadamard + FP4 blocks)")
-        need(self.nope_dim % 64 == 0, f"key_length - rope dims = {self.nope_dim} must be a multiple of 64 (FP8 blocks)")
         need(1 <= self.n_expert_used <= self.n_expert, "expert_used_count must be in 1..expert_count")
         need(self.n_expert_shared in (0, 1), f"expert_shared_count must be 0 or 1, got {self.n_expert_shared}")
         need(self.sliding_window >= 1, "attention.sliding_window must be >= 1")
         need(self.indexer_top_k >= 1, "attention.indexer.top_k must be >= 1")
         need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hyper_connection count/iterations must be >= 1")
+
+    def check_official_numerics(self) -> None:
+        """The FP8 and FP4 block shapes of `official` numerics; `plain` needs none of them."""
+        ihd, plain = self.indexer_head_dim, "; numerics='plain' takes this file"
+        if not (ihd >= 32 and ihd & (ihd - 1) == 0):
+            raise ConfigError(f"{ARCH}.attention.indexer.key_length is {ihd}: official numerics need a power of "
+                              f"two >= 32 (Hadamard rotation, FP4 blocks of 32){plain}")
+        if self.nope_dim % 64:
+            raise ConfigError(f"{ARCH}.attention.key_length - {ARCH}.rope.dimension_count = {self.nope_dim}: official "
+                              f"numerics need a multiple of 64 (FP8 blocks of 64){plain}")
 
     # ---- GGUF metadata --------------------------------------------------
     @classmethod

@@ -54,6 +54,12 @@ CASES = {
                     q_lora_rank=32, n_expert=4, n_expert_used=1, expert_ff=32, sliding_window=3,
                     indexer_top_k=5, indexer_heads=12, indexer_head_dim=32, hc_mult=2, hc_sinkhorn_iters=12),
                37, 420, ("hf", "legacy", False)),
+    # Heads too small for official numerics' FP8/FP4 blocks (16 non-RoPE dims, indexer key
+    # length 16): plain numerics and the converter take any shape transformers takes.
+    "small-heads": (dict(n_layer=3, compress_ratios=[0, 4, 128], swiglu_clamp=[2.0] * 3, n_hash_layers=1,
+                         n_embd=64, n_head=4, head_dim=32, n_rot=16, o_groups=2, o_lora_rank=24, q_lora_rank=32,
+                         expert_ff=32, sliding_window=8, indexer_top_k=4, indexer_heads=16, indexer_head_dim=16),
+                    41, 400, ("hf", "modern", True)),
 }
 
 

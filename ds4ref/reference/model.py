@@ -43,6 +43,8 @@ class Model:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.weights, self.numerics = weights, numerics
         self.config: DS4Config = weights.config
+        if numerics == "official":
+            self.config.check_official_numerics()
         self.dtype = weights.dtype
         self.tables = Tables.build(self.config, self.dtype)
 

@@ -125,10 +125,12 @@ def test_matvec(rt, seed, L, n, kb, wtype):
 
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0"])
 def test_matvec_batch_invariance(rt, wtype):
-    w, _ = make_weight(7, 1024, 4096, wtype)
+    """At Flash's width (4096 columns): the reference's bits, alone or among 16."""
+    w, wf = make_weight(7, 1024, 4096, wtype)
     x = rnd(8, 16, 4096)
     alone = g.matvec(w, x[:1], wtype=wtype, rt=rt)
     among = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert same_bits(among, ref.linear(x, wf))
     assert np.array_equal(alone[0], among[0])
     for l in (5, 15):  # any lane, alone or among 16
         assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], among[l])

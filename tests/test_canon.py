@@ -1,0 +1,216 @@
+"""The canonical float32 arithmetic (ds4ref/reference/canon.py, docs/exactness.md).
+
+* exp / log1p / sigmoid / softplus stay within their stated ulp bounds of float64 maths;
+* the Numba loops compute exactly the written order: a second, vectorised NumPy
+  implementation of each definition gives the same bits (NumPy never fuses a multiply
+  and an add, so this also proves Numba does not contract);
+* every canonical op stays within 1e-5 (norm-wise) of the same op in float64;
+* the float32 whole-sequence score() equals the streamed decode bit for bit: both are
+  per-row canonical, whatever the prompt;
+* official numerics refuse shapes their FP8/FP4 blocks cannot take, naming the key.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ds4ref
+from ds4ref.config import ConfigError
+from ds4ref.reference import canon
+from ds4ref.reference import ops as ref
+from ds4ref.tiny import tiny_config, write_tiny
+
+F32, F64 = np.float32, np.float64
+# stated bounds (docs/exactness.md), in units in the last place of the float32 result
+ULP_BOUND = {"exp": 1.0, "log1p": 2.5, "sigmoid": 2.5, "softplus": 3.0}
+
+
+def ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    ulp = np.spacing(np.abs(exact.astype(F32))).astype(F64)
+    return np.abs(got.astype(F64) - exact) / ulp
+
+
+def samples(lo: float, hi: float, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.uniform(lo, hi, n), rng.normal(0, 3, n // 4).clip(lo, hi)]).astype(F32)
+
+
+@pytest.mark.parametrize("name,lo,hi,exact", [
+    ("exp", -86.5, 88.0, lambda x: np.exp(x)),
+    ("log1p", -0.99, 40.0, lambda x: np.log1p(x)),
+    ("sigmoid", -80.0, 80.0, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    ("softplus", -80.0, 80.0, lambda x: np.logaddexp(0.0, x)),
+])
+def test_elementwise_within_ulp_bound(name, lo, hi, exact):
+    x = samples(lo, hi, 1_000_000, seed=len(name))
+    if name == "log1p":  # and the tiny arguments where 1 + x rounds
+        x = np.concatenate([x, (10.0 ** np.random.default_rng(1).uniform(-30, 0, 200_000)).astype(F32)])
+    err = ulps(getattr(canon, name)(x), exact(x.astype(F64)))
+    assert err.max() <= ULP_BOUND[name], f"{name}: {err.max():.3f} ulp at x = {x[err.argmax()]!r}"
+
+
+def test_exp_special_values():
+    x = np.array([0.0, -0.0, -np.inf, np.inf, np.nan, 88.0, 88.5, -86.5, -87.0], F32)
+    got = canon.exp(x)
+    assert got[0] == 1 and got[1] == 1 and got[2] == 0 and got[3] == np.inf and np.isnan(got[4])
+    assert np.isfinite(got[5]) and got[6] == np.inf and got[7] > 0 and got[8] == 0
+    assert canon.log1p(np.array([0.0, -1.0, np.inf], F32)).tolist() == [0.0, -np.inf, np.inf]
+
+
+@given(x=st.floats(-100, 100, width=32))
+def test_scalar_and_elementwise_forms_agree(x):
+    x = F32(x)
+    for scalar, vec in ((canon.exp_f32, canon.exp), (canon.sigmoid_f32, canon.sigmoid),
+                        (canon.softplus_f32, canon.softplus)):
+        assert np.array_equal(np.array(scalar(x), F32), vec(np.array([x], F32))[0])
+
+
+# ---- the written orders, implemented a second time ----------------------------------
+
+def butterfly(p: np.ndarray) -> np.ndarray:
+    """Halve the last axis (a power of two) by p[:h] + p[h:], as the xor shuffles do."""
+    while p.shape[-1] > 1:
+        h = p.shape[-1] // 2
+        p = p[..., :h] + p[..., h:]
+    return p[..., 0]
+
+
+def warp8_dot_vectorised(x: np.ndarray, w: np.ndarray, slice_cols: int) -> np.ndarray:
+    """x (n, K) . w (N, K): per slice, lane t sums columns t*8..t*8+7 of each 256-column step."""
+    n, k = x.shape
+    out = np.zeros((n, w.shape[0]), F32)
+    for c0 in range(0, k, slice_cols):
+        xs, ws = x[:, c0:c0 + slice_cols], w[:, c0:c0 + slice_cols]
+        pad = -xs.shape[1] % 256
+        xs = np.pad(xs, ((0, 0), (0, pad))).reshape(n, -1, 32, 8)
+        ws = np.pad(ws, ((0, 0), (0, pad))).reshape(w.shape[0], -1, 32, 8)
+        p = np.zeros((n, w.shape[0], 32), F32)
+        for s in range(xs.shape[1]):
+            for j in range(8):
+                p = p + ws[None, :, s, :, j] * xs[:, None, s, :, j]
+        out = out + butterfly(p)
+    return out
+
+
+@settings(max_examples=20)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4), rows=st.sampled_from([1, 24, 64, 65, 300]),
+       k=st.sampled_from([8, 96, 256, 520, 2048, 4096 + 96]))
+def test_linear_is_the_written_order(seed, n, rows, k):
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((n, k)).astype(F32), rng.standard_normal((rows, k)).astype(F32)
+    ks = canon.ksplit(rows, k) or k
+    assert np.array_equal(canon.linear(x, w), warp8_dot_vectorised(x, w, ks))
+    assert np.array_equal(canon.linear(x, w, split=False), warp8_dot_vectorised(x, w, k))
+
+
+@settings(max_examples=20)
+@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([1, 96, 255, 256, 512, 4096, 16384 + 40]))
+def test_sum_of_squares_is_the_written_order(seed, d):
+    x = np.random.default_rng(seed).standard_normal((3, d)).astype(F32)
+    pad = -d % 256
+    sq = np.pad(x * x, ((0, 0), (0, pad))).reshape(3, -1, 256)
+    part = np.zeros((3, 256), F32)
+    for i in range(sq.shape[1]):
+        part = part + sq[:, i]
+    want = butterfly(butterfly(part.reshape(3, 8, 32)))
+    assert np.array_equal(canon.sumsq(x)[:, 0], want)
+
+
+def test_ksplit_rule():
+    assert canon.ksplit(24, 16384) == 512 and canon.ksplit(64, 2048) == 512
+    assert canon.ksplit(65, 16384) == 0 and canon.ksplit(24, 2047) == 0
+
+
+# ---- canonical against float64 maths ---------------------------------------------------
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, F64), np.asarray(b, F64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(F32)
+
+
+def both(fn, *args):
+    """fn on float32 inputs (canonical) and on the same values in float64 (plain maths)."""
+    lo = fn(*args)
+    hi = fn(*(a.astype(F64) if isinstance(a, np.ndarray) and a.dtype == F32 else a for a in args))
+    return lo, hi
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_canonical_ops_close_to_float64(seed):
+    rng = np.random.default_rng(seed)
+    checks = {
+        "rmsnorm": both(ref.rmsnorm, rnd(rng, 5, 4096, scale=3), rnd(rng, 4096), 1e-6),
+        "linear": both(ref.linear, rnd(rng, 3, 4096), rnd(rng, 70, 4096, scale=1 / 64)),
+        "linear split": both(ref.linear, rnd(rng, 3, 16384), rnd(rng, 24, 16384, scale=1 / 128)),
+        "attention": both(ref.attention_with_sinks, rnd(rng, 8, 512, scale=0.2), rnd(rng, 150, 512), rnd(rng, 8),
+                          rng.random(150) < 0.7),
+        "pool": both(ref.pool_window, rnd(rng, 4, 128, 64), rnd(rng, 4, 128, 64, scale=3)),
+        "indexer": both(ref.indexer_scores, rnd(rng, 16, 128), rnd(rng, 16), rnd(rng, 300, 128)),
+        "hc_post": both(ref.hc_post, rnd(rng, 3, 4, 256), rnd(rng, 3, 256), rnd(rng, 3, 4),
+                        np.abs(rnd(rng, 3, 4, 4))),
+        "swiglu": both(ref.swiglu, rnd(rng, 256, scale=2), rnd(rng, 64, 256, scale=1 / 16),
+                       rnd(rng, 64, 256, scale=1 / 16), rnd(rng, 256, 64, scale=1 / 8), 7.0),
+        "qat rotation": both(canon.hadamard_rotate, rnd(rng, 6, 128), ref.hadamard(128, F32)),
+    }
+    for name, (lo, hi) in checks.items():
+        assert lo.dtype == F32 and rel(lo, hi) <= 1e-5, (name, rel(lo, hi))
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), hc=st.sampled_from([2, 4]), iters=st.integers(1, 20))
+def test_hc_pre_close_to_float64(seed, hc, iters):
+    rng = np.random.default_rng(seed)
+    mix = 2 * hc + hc * hc
+    s, fn = rnd(rng, 3, hc, 512), rnd(rng, mix, hc * 512, scale=0.05)
+    base, scale = rnd(rng, mix, scale=0.5), np.abs(rnd(rng, 3)) + 0.5
+    lo = ref.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters)
+    hi = ref.hc_pre(s.astype(F64), fn.astype(F64), base.astype(F64), scale.astype(F64), 1e-6, 1e-6, iters)
+    for a, b in zip(lo, hi):
+        assert a.dtype == F32 and rel(a, b) <= 1e-5
+
+
+def test_route_close_to_float64():
+    rng = np.random.default_rng(3)
+    logits, bias = rnd(rng, 256, scale=2), rnd(rng, 256, scale=0.1)
+    ids32, w32 = ref.route(logits, 6, bias, None, 2.5, True)
+    ids64, w64 = ref.route(logits.astype(F64), 6, bias.astype(F64), None, 2.5, True)
+    assert np.array_equal(ids32, ids64) and rel(w32, w64) <= 1e-6
+
+
+# ---- whole model -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["official", "plain"])
+def model32(request):
+    return ds4ref.load(numerics=request.param).reference
+
+
+@settings(max_examples=3)
+@given(data=st.data())
+def test_score_equals_streamed_decode_bitwise(model32, data):
+    """Prompts past two ratio-128 windows and the indexer's threshold (4 * (top_k + 1))."""
+    n = data.draw(st.integers(4 * (model32.config.indexer_top_k + 1), 300))
+    ids = data.draw(st.lists(st.integers(0, model32.config.vocab_size - 1), min_size=n, max_size=n))
+    a, b = model32.score(ids), model32.decode_logits(ids)
+    assert a.dtype == F32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_official_numerics_refuse_small_blocks_naming_the_key(tmp_path):
+    path = tmp_path / "small.gguf"
+    write_tiny(path, tiny_config(head_dim=32, n_rot=16, indexer_head_dim=16))
+    with pytest.raises(ConfigError, match=r"indexer\.key_length is 16.*numerics='plain' takes this file"):
+        ds4ref.load(path, numerics="official")
+    plain = ds4ref.load(path, numerics="plain")
+    assert np.isfinite(plain.score([1, 2, 3])).all()
+    write_tiny(path, tiny_config(head_dim=80, n_rot=32))
+    with pytest.raises(ConfigError, match=r"key_length - .*rope\.dimension_count = 48.*multiple of 64"):
+        ds4ref.load(path, numerics="official")
+    assert math.isfinite(float(ds4ref.load(path, numerics="plain").score([5])[0, 0]))
