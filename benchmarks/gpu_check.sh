@@ -17,9 +17,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 fi
-WORKERS=${WORKERS:-12}            # pytest-xdist workers: the NumPy side of the cross-backend property
+WORKERS=${WORKERS:-14}            # pytest-xdist workers: the NumPy side of the cross-backend property
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12}
-export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-12} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-17}
+export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-14} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-15}
 rc=0
 T0=$SECONDS
 stage() { echo "== [$((SECONDS - T0)) s] $*"; }
@@ -46,8 +46,18 @@ if has ops; then
 fi
 if has backend; then
   stage "HipBackend vs NumpyBackend, bitwise ($DS4REF_CROSS_SHARDS x $DS4REF_CROSS_EXAMPLES cross-backend examples per numerics)"
-  timeout ${BACKEND_TIMEOUT:-330} $PYTEST -m gpu tests/gpu/test_hip_backend.py -n "$WORKERS" 2>&1 \
-    | tee "$OUT/backend.log" || rc=1
+  rm -f "$OUT/cross_examples.tsv"
+  DS4REF_CROSS_LOG="$OUT/cross_examples.tsv" timeout ${BACKEND_TIMEOUT:-330} $PYTEST -m gpu \
+    tests/gpu/test_hip_backend.py -n "$WORKERS" 2>&1 | tee "$OUT/backend.log" || rc=1
+  python3 - "$OUT/cross_examples.tsv" <<'PY' 2>&1 | tee -a "$OUT/backend.log"
+import os, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+for numerics in sorted({r[0] for r in rows}):
+    rs = [[int(v) for v in r[1:]] for r in rows if r[0] == numerics]
+    print(f"cross-backend examples passed, {numerics}: {len(rs)} (sequences {sum(r[0] for r in rs)}, "
+          f"longest prompt {max(r[1] for r in rs)}, quanta {sorted({r[2] for r in rs})}, "
+          f"tokens compared {sum(r[3] for r in rs)})")
+PY
 fi
 if has golden; then
   stage "golden files through the HIP backend"

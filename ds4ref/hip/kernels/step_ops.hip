@@ -63,122 +63,14 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 
 // ---- routed experts --------------------------------------------------------
 // y[l, t, :] = W[e] @ x_l for every valid lane l whose t-th selected expert is e.
-// Grid (row blocks of 16, E): the block for expert e finds the lanes that chose it,
+// Grid (row blocks of 8*R, E): the block for expert e finds the lanes that chose it,
 // stages their inputs and reads each weight row once for all of them. Blocks of
 // experts nobody chose return at once. x_l = x[l] (gate/up) or x[l, t] (down,
 // x_per_choice). A lane's sum runs over columns in a fixed order, so its result
 // never depends on the other lanes.
-#define EX_KC 512
-#define EX_WARPS 8
-#define EX_RPW 2
-
-template <int WT>
-__device__ __forceinline__ void ex_load8(const ds4_u8* row, int col, float* w) {
-    if (WT == WT_F32) {
-        const float4* p = (const float4*)(row + (long long)col * 4);
-        float4 a = p[0], b = p[1];
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    } else if (WT == WT_Q8_0) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) w[t] = so_elem(row, WT_Q8_0, col + t);
-    } else {
-        uint4 u = *(const uint4*)(row + (long long)col * 2);
-        ds4_u32 parts[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            ds4_u16 lo = (ds4_u16)(parts[t] & 0xffffu), hi = (ds4_u16)(parts[t] >> 16);
-            w[2 * t] = WT == WT_F16 ? ds4_f16_to_f32(lo) : ds4_bf16_to_f32(lo);
-            w[2 * t + 1] = WT == WT_F16 ? ds4_f16_to_f32(hi) : ds4_bf16_to_f32(hi);
-        }
-    }
-}
-
-template <int WT>
-__device__ void ex_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
-                        const int* __restrict__ ids, const int* __restrict__ slot, float* __restrict__ y,
-                        int N, int K, int kk) {
-    __shared__ __align__(16) float xs[SO_LANES * EX_KC];
-    __shared__ int act_l[SO_LANES], act_t[SO_LANES];
-    __shared__ int n_act;
-    int e = blockIdx.y;
-    if (threadIdx.x == 0) {
-        int c = 0;
-        for (int l = 0; l < SO_LANES; ++l) {
-            if (slot[l] < 0) continue;
-            for (int t = 0; t < kk; ++t)
-                if (ids[l * kk + t] == e) { act_l[c] = l; act_t[c] = t; ++c; break; }
-        }
-        n_act = c;
-    }
-    __syncthreads();
-    int na = n_act;
-    if (na == 0) return;
-    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int row0 = blockIdx.x * (EX_WARPS * EX_RPW) + warp * EX_RPW;
-    long long rb = so_row_bytes(WT, K);
-    const ds4_u8* We = W + (long long)e * N * rb;
-    float acc[EX_RPW][SO_LANES];
-#pragma unroll
-    for (int i = 0; i < EX_RPW; ++i)
-#pragma unroll
-        for (int a = 0; a < SO_LANES; ++a) acc[i][a] = 0.0f;
-    for (int c0 = 0; c0 < K; c0 += EX_KC) {
-        int kc = K - c0 < EX_KC ? K - c0 : EX_KC;
-        __syncthreads();
-        for (int a = 0; a < na; ++a) {
-            int l = act_l[a];
-            const float* src = x + (x_per_choice ? (long long)(l * kk + act_t[a]) : (long long)l) * K + c0;
-            for (int j = threadIdx.x; j < kc; j += blockDim.x) xs[a * EX_KC + j] = src[j];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < EX_RPW; ++i) {
-            int r = row0 + i;
-            if (r >= N) break;
-            for (int j0 = lane * 8; j0 < kc; j0 += DS4_WARP * 8) {
-                float w[8];
-                ex_load8<WT>(We + (long long)r * rb, c0 + j0, w);
-#pragma unroll
-                for (int a = 0; a < SO_LANES; ++a) {
-                    if (a < na) {
-                        const float* xp = xs + a * EX_KC + j0;
-                        float s = acc[i][a];
-                        for (int t = 0; t < 8; ++t) s += w[t] * xp[t];
-                        acc[i][a] = s;
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < EX_RPW; ++i) {
-        int r = row0 + i;
-        if (r >= N) break;
-#pragma unroll
-        for (int a = 0; a < SO_LANES; ++a) {
-            if (a < na) {
-                float s = ds4_warp_sum(acc[i][a]);
-                if (lane == 0) y[((long long)act_l[a] * kk + act_t[a]) * N + r] = s;
-            }
-        }
-    }
-}
-
-#define STEP_EXPERTS(NAME, WT)                                                                        \
-    extern "C" __global__ void __launch_bounds__(EX_WARPS * DS4_WARP)                                \
-        NAME(const ds4_u8* W, const float* x, int x_per_choice, const int* ids, const int* slot,     \
-             float* y, int N, int K, int kk) {                                                        \
-        ex_body<WT>(W, x, x_per_choice, ids, slot, y, N, K, kk);                                      \
-    }
-
-STEP_EXPERTS(step_experts_f32, WT_F32)
-STEP_EXPERTS(step_experts_f16, WT_F16)
-STEP_EXPERTS(step_experts_bf16, WT_BF16)
-STEP_EXPERTS(step_experts_q8_0, WT_Q8_0)
-
-// v3: the same job on matvec v3's body (ds4_mv3.h): swizzled staging, R rows per warp,
+// The kernel runs matvec v3's body (ds4_mv3.h): swizzled staging, R rows per warp,
 // R*U raw weight loads in flight. Thread 0 lists the (lane, choice) pairs that chose
-// expert e, in lane order; each pair's column order and FMA sequence are the dense
+// expert e, in lane order; each pair's column order and operation sequence are the dense
 // matvec's, so a lane's result never depends on which other lanes chose e.
 template <int WT, int R, int U>
 __device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
