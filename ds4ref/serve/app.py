@@ -226,6 +226,9 @@ class Generation:
                     deltas += self.text.finish()
                     break
             yield deltas, infos
+            # next_events returns at once while events are queued: without this a
+            # request that never waits would keep the loop (and /health) from running
+            await asyncio.sleep(0)
 
     def _token_info(self, ev: TokenEvent) -> TokenInfo:
         tok = self.state.tokenizer
