@@ -2,6 +2,9 @@
 stop strings that would starve the loop, and failures inside a generation."""
 from __future__ import annotations
 
+import json
+import select
+import socket
 import threading
 import time
 
@@ -11,13 +14,76 @@ import pytest
 from ds4ref.serve.protocol import MAX_STOP, MAX_STOP_CHARS
 from serve_helpers import LiveServer
 
+BODY_CAP = 1 << 20  # small limits so the tests send little and wait little
+BODY_TIMEOUT = 0.5
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer(max_concurrency=16, max_context=512) as s:
+    with LiveServer(state_overrides={"max_body_bytes": BODY_CAP, "body_timeout_s": BODY_TIMEOUT},
+                    max_concurrency=16, max_context=512) as s:
         yield s
+
+
+def sse_events(text: str) -> list:
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in text.split("\n\n") if b.startswith("data: ")]
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+# ---- 1. the body cap counts chunked bodies too ------------------------------------------------
+
+def send_chunked(port: int, total: int, chunk: int = 64 << 10) -> bytes:
+    """POST `total` bytes with Transfer-Encoding: chunked; stop sending once the server answers."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+        sent = 0
+        while sent < total and not select.select([sock], [], [], 0)[0]:
+            try:
+                sock.sendall(b"%x\r\n%s\r\n" % (chunk, b" " * chunk))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += chunk
+        if sent >= total:
+            sock.sendall(b"0\r\n\r\n")
+        return read_response(sock)
+
+
+def test_chunked_body_over_the_cap_is_413(server):
+    reply = send_chunked(server.port, 2 * BODY_CAP)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_too_large"
+
+
+def test_chunked_body_under_the_cap_is_served(server):
+    body = json.dumps(dict(GREEDY, prompt="chunked", max_tokens=2)).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(HEAD + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                     + b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:5], body[5:]))
+                     + b"0\r\n\r\n")
+        reply = read_response(sock)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+
+
+# ---- 3. a body that never arrives ---------------------------------------------------------------
+
+def test_body_that_never_arrives_is_408_and_the_connection_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # 11 of 100 bytes
+        reply = read_response(sock)  # returns only because the server closes the connection
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
 
 
 # ---- 2. long stop strings ---------------------------------------------------------------------------
@@ -62,5 +128,3 @@ def test_health_answers_within_100ms_while_long_stop_strings_run(server):
             t.join(120)
     assert max(latencies) < 0.1, latencies
     assert results == [200] * 8
-
-
