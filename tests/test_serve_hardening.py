@@ -128,3 +128,37 @@ def test_health_answers_within_100ms_while_long_stop_strings_run(server):
             t.join(120)
     assert max(latencies) < 0.1, latencies
     assert results == [200] * 8
+
+
+# ---- 8. a failure inside a generation reaches its client ----------------------------------------------
+
+class FailingTokenizer:
+    """The real tokenizer, except that decoding the third generated token raises."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def decode_bytes(self, ids):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("token id 4242 out of range")
+        return self.real.decode_bytes(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_error_inside_a_generation_is_openai_shaped(server, monkeypatch, stream):
+    monkeypatch.setattr(server.state, "tokenizer", FailingTokenizer(server.state.tokenizer))
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json=dict(GREEDY, prompt="fail", max_tokens=8, stream=stream))
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+    else:
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+    assert err["code"] == "internal_error" and "4242" in err["message"]
+    assert server.wait_idle(5)

@@ -328,6 +328,11 @@ def _error_event(e: APIError) -> str:
     return sse(e.body())
 
 
+def internal_error(exc: BaseException) -> APIError:
+    """What a client sees of a bug: OpenAI-shaped, naming the exception."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -443,6 +448,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _internal(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets the usual error body, not plain text
+        return internal_error(exc).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -530,6 +540,9 @@ async def _sse_frame(gen: Generation, head: dict, include_usage: bool, body: Asy
             yield sse(dict(head, choices=[], usage=gen.usage()))
     except APIError as e:
         yield _error_event(e)
+    except Exception as e:  # noqa: BLE001 - a bug must still end the stream as the protocol says
+        log.exception("request %d failed", gen.request.req_id)
+        yield _error_event(internal_error(e))
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
