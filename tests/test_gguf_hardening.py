@@ -186,6 +186,34 @@ def test_more_than_four_dims_is_refused(tmp_path, base_meta, tensors):
     assert "tensor 'extra.weight' has 5 dimensions; GGUF allows at most 4" in refused(path)
 
 
+# ---- 6. the serve-time memory plan ------------------------------------------------------------------------------
+
+def test_kv_state_larger_than_memory_is_refused_before_allocating(tmp_path, base_meta, tensors, monkeypatch):
+    import ds4ref.serve as serve
+
+    monkeypatch.setattr(serve, "host_memory_bytes", lambda: 256 << 20)
+    path = write_variant(tmp_path / "window.gguf", base_meta, tensors,
+                         {P + "attention.sliding_window": (1 << 16, V.UINT32, None)})  # in bounds, but 16 lanes
+    with pytest.raises(MemoryError) as err:
+        serve.build_state(str(path), max_concurrency=16)
+    msg = str(err.value)
+    assert "this machine has 256.0 MiB" in msg and "deepseek4.attention.sliding_window = 65536" in msg
+    assert "deepseek4.context_length" in msg and "--max-context" in msg
+    serve.build_state(str(path), max_concurrency=1, max_context=64).runner.stop()  # one small lane fits
+
+
+def test_an_error_without_a_message_is_still_named(monkeypatch, capsys):
+    import ds4ref.serve as serve
+    from ds4ref.serve.__main__ import main
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(serve, "build_state", no_memory)
+    assert main([]) == 2
+    assert capsys.readouterr().err == "ds4ref.serve: error: MemoryError\n"
+
+
 # ---- the documented table is the checked one ------------------------------------------------------------------
 
 def _doc_rows() -> dict[str, tuple[str, str]]:
