@@ -6,52 +6,98 @@ Flash's values, so tiny test models with small windows run the same code.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 
 ARCH = "deepseek4"
 
-# config field -> (GGUF key suffix after "deepseek4.", required)
-_KEYS: dict[str, tuple[str, bool]] = {
-    "n_layer": ("block_count", True),
-    "context_length": ("context_length", False),
-    "n_embd": ("embedding_length", True),
-    "vocab_size": ("vocab_size", True),
-    "n_head": ("attention.head_count", True),
-    "n_head_kv": ("attention.head_count_kv", False),
-    "head_dim": ("attention.key_length", True),
-    "value_dim": ("attention.value_length", False),
-    "n_rot": ("rope.dimension_count", True),
-    "q_lora_rank": ("attention.q_lora_rank", True),
-    "o_lora_rank": ("attention.output_lora_rank", True),
-    "o_groups": ("attention.output_group_count", True),
-    "n_expert": ("expert_count", True),
-    "n_expert_used": ("expert_used_count", True),
-    "n_expert_shared": ("expert_shared_count", True),
-    "expert_ff": ("expert_feed_forward_length", True),
-    "n_hash_layers": ("hash_layer_count", True),
-    "expert_weights_scale": ("expert_weights_scale", True),
-    "expert_weights_norm": ("expert_weights_norm", False),
-    "sliding_window": ("attention.sliding_window", True),
-    "indexer_heads": ("attention.indexer.head_count", True),
-    "indexer_head_dim": ("attention.indexer.key_length", True),
-    "indexer_top_k": ("attention.indexer.top_k", True),
-    "hc_mult": ("hyper_connection.count", True),
-    "hc_sinkhorn_iters": ("hyper_connection.sinkhorn_iterations", True),
-    "hc_eps": ("hyper_connection.epsilon", True),
-    "rms_eps": ("attention.layer_norm_rms_epsilon", True),
-    "compress_ratios": ("attention.compress_ratios", True),
-    "swiglu_clamp": ("swiglu_clamp_exp", True),
-    "rope_freq_base": ("rope.freq_base", True),
-    "compress_rope_freq_base": ("attention.compress_rope_freq_base", True),
-    "yarn_factor": ("rope.scaling.factor", True),
-    "yarn_orig_ctx": ("rope.scaling.original_context_length", True),
-    "yarn_beta_fast": ("rope.scaling.yarn_beta_fast", True),
-    "yarn_beta_slow": ("rope.scaling.yarn_beta_slow", True),
+# config field -> (GGUF key suffix after "deepseek4.", required, GGUF type as published, spec §2.1).
+# The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.metadata).
+KEYS: dict[str, tuple[str, bool, str]] = {
+    "n_layer": ("block_count", True, "u32"),
+    "context_length": ("context_length", False, "u64"),
+    "n_embd": ("embedding_length", True, "u32"),
+    "vocab_size": ("vocab_size", True, "u32"),
+    "n_head": ("attention.head_count", True, "u32"),
+    "n_head_kv": ("attention.head_count_kv", False, "u32"),
+    "head_dim": ("attention.key_length", True, "u32"),
+    "value_dim": ("attention.value_length", False, "u32"),
+    "n_rot": ("rope.dimension_count", True, "u32"),
+    "q_lora_rank": ("attention.q_lora_rank", True, "u32"),
+    "o_lora_rank": ("attention.output_lora_rank", True, "u32"),
+    "o_groups": ("attention.output_group_count", True, "u32"),
+    "n_expert": ("expert_count", True, "u32"),
+    "n_expert_used": ("expert_used_count", True, "u32"),
+    "n_expert_shared": ("expert_shared_count", True, "u32"),
+    "expert_ff": ("expert_feed_forward_length", True, "u32"),
+    "n_hash_layers": ("hash_layer_count", True, "u32"),
+    "expert_weights_scale": ("expert_weights_scale", True, "f32"),
+    "expert_weights_norm": ("expert_weights_norm", False, "bool"),
+    "sliding_window": ("attention.sliding_window", True, "u32"),
+    "indexer_heads": ("attention.indexer.head_count", True, "u32"),
+    "indexer_head_dim": ("attention.indexer.key_length", True, "u32"),
+    "indexer_top_k": ("attention.indexer.top_k", True, "u32"),
+    "hc_mult": ("hyper_connection.count", True, "u32"),
+    "hc_sinkhorn_iters": ("hyper_connection.sinkhorn_iterations", True, "u32"),
+    "hc_eps": ("hyper_connection.epsilon", True, "f32"),
+    "rms_eps": ("attention.layer_norm_rms_epsilon", True, "f32"),
+    "compress_ratios": ("attention.compress_ratios", True, "array of i32"),
+    "swiglu_clamp": ("swiglu_clamp_exp", True, "array of f32"),
+    "rope_freq_base": ("rope.freq_base", True, "f32"),
+    "compress_rope_freq_base": ("attention.compress_rope_freq_base", True, "f32"),
+    "yarn_factor": ("rope.scaling.factor", True, "f32"),
+    "yarn_orig_ctx": ("rope.scaling.original_context_length", True, "u64"),
+    "yarn_beta_fast": ("rope.scaling.yarn_beta_fast", True, "f32"),
+    "yarn_beta_slow": ("rope.scaling.yarn_beta_slow", True, "f32"),
 }
+
+# Inclusive bounds of the integer sizes, Flash's value in the comment. They are far
+# outside any DS4 checkpoint yet small enough that no size derived from them is
+# absurd before the server's memory plan looks at it (a 2^40 window once asked
+# for petabytes, 2^40 Sinkhorn iterations spun forever). docs/gguf.md lists them.
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "n_layer": (1, 1024),                 # 43
+    "context_length": (2, 1 << 24),       # 1048576
+    "n_embd": (1, 1 << 16),               # 4096
+    "vocab_size": (1, 1 << 24),           # 129280
+    "n_head": (1, 1024),                  # 64
+    "head_dim": (1, 1 << 13),             # 512
+    "value_dim": (0, 1 << 13),            # 512 (0 = key_length)
+    "n_rot": (2, 1 << 13),                # 64
+    "q_lora_rank": (1, 1 << 16),          # 1024
+    "o_lora_rank": (1, 1 << 16),          # 1024
+    "o_groups": (1, 1024),                # 8
+    "n_expert": (1, 1 << 12),             # 256
+    "n_expert_used": (1, 1 << 12),        # 6
+    "n_expert_shared": (0, 1),            # 1
+    "expert_ff": (1, 1 << 18),            # 2048
+    "n_hash_layers": (0, 1024),           # 3
+    "sliding_window": (1, 1 << 16),       # 128
+    "indexer_heads": (1, 1024),           # 64
+    "indexer_head_dim": (32, 1 << 13),    # 128
+    "indexer_top_k": (1, 1 << 20),        # 512
+    "hc_mult": (1, 64),                   # 4
+    "hc_sinkhorn_iters": (1, 1000),       # 20
+    "yarn_orig_ctx": (1, 1 << 24),        # 65536
+}
+# Floats that must be finite and > 0; the epsilons must also be < 1.
+POSITIVE_FLOATS = ("expert_weights_scale", "rope_freq_base", "compress_rope_freq_base", "yarn_factor",
+                   "yarn_beta_fast", "yarn_beta_slow", "hc_eps", "rms_eps")
+EPSILONS = ("hc_eps", "rms_eps")
+
+
+def key_of(fname: str) -> str:
+    """The GGUF key of a config field, for messages."""
+    return f"{ARCH}.{KEYS[fname][0]}"
 
 
 class ConfigError(ValueError):
     """The GGUF metadata does not describe a model ds4ref can run."""
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -132,7 +178,7 @@ class DS4Config:
             if not cond:
                 raise ConfigError(msg)
 
-        need(self.n_layer >= 1, f"block_count must be >= 1, got {self.n_layer}")
+        self._check_bounds()
         need(len(self.compress_ratios) == self.n_layer,
              f"attention.compress_ratios has {len(self.compress_ratios)} entries for {self.n_layer} layers")
         need(len(self.swiglu_clamp) == self.n_layer,
@@ -147,10 +193,29 @@ class DS4Config:
         need(self.n_head % self.o_groups == 0,
              f"head_count {self.n_head} is not a multiple of output_group_count {self.o_groups}")
         need(1 <= self.n_expert_used <= self.n_expert, "expert_used_count must be in 1..expert_count")
-        need(self.n_expert_shared in (0, 1), f"expert_shared_count must be 0 or 1, got {self.n_expert_shared}")
-        need(self.sliding_window >= 1, "attention.sliding_window must be >= 1")
-        need(self.indexer_top_k >= 1, "attention.indexer.top_k must be >= 1")
-        need(self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hyper_connection count/iterations must be >= 1")
+        need(self.n_hash_layers <= self.n_layer,
+             f"hash_layer_count {self.n_hash_layers} exceeds block_count {self.n_layer}")
+
+    def _check_bounds(self) -> None:
+        """Every size within INT_BOUNDS, every float finite and positive, before anything
+        is derived from them; the message names the GGUF key."""
+        for fname, (lo, hi) in INT_BOUNDS.items():
+            v = getattr(self, fname)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ConfigError(f"{key_of(fname)} is {v!r}; it must be an integer in {lo}..{hi}")
+        for fname in POSITIVE_FLOATS:
+            v = getattr(self, fname)
+            hi = 1.0 if fname in EPSILONS else math.inf
+            if not _is_real(v) or not 0.0 < v < hi:
+                bound = "in (0, 1)" if fname in EPSILONS else "finite and > 0"
+                raise ConfigError(f"{key_of(fname)} is {v!r}; it must be a number {bound}")
+        for i, c in enumerate(self.swiglu_clamp):
+            if not _is_real(c) or not 0.0 < c < math.inf:
+                raise ConfigError(f"{key_of('swiglu_clamp')}[{i}] is {c!r}; it must be finite and > 0")
+        for which, v in (("bos_token_id", self.bos_id), ("eos_token_id", self.eos_id)):
+            if not 0 <= v < self.vocab_size:
+                raise ConfigError(f"tokenizer.ggml.{which} is {v}; it must be a token id in "
+                                  f"0..{self.vocab_size - 1} (vocab_size {self.vocab_size})")
 
     def check_official_numerics(self) -> None:
         """The FP8 and FP4 block shapes of `official` numerics; `plain` needs none of them."""
@@ -170,7 +235,7 @@ class DS4Config:
         if arch != ARCH:
             raise ConfigError(f"general.architecture is {arch!r}, expected {ARCH!r}")
         kw = {}
-        for fname, (suffix, required) in _KEYS.items():
+        for fname, (suffix, required, _) in KEYS.items():
             key = f"{ARCH}.{suffix}"
             if key in meta:
                 kw[fname] = meta[key]
@@ -193,7 +258,7 @@ class DS4Config:
     def to_metadata(self) -> dict:
         """{GGUF key: python value}, the inverse of from_metadata (tokenizer keys excluded)."""
         meta = {"general.architecture": ARCH, "general.name": self.name}
-        for fname, (suffix, _) in _KEYS.items():
+        for fname, (suffix, _, _) in KEYS.items():
             v = getattr(self, fname)
             meta[f"{ARCH}.{suffix}"] = list(v) if isinstance(v, tuple) else v
         return meta

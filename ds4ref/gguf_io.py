@@ -12,6 +12,7 @@ Writing follows the published convention of spec §2.1 for metadata types
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .config import ARCH, ConfigError, DS4Config
+from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import is_int_tensor, tensor_shapes
 from .weights import Weights, WeightsError, check_tensor_shapes
 
@@ -32,6 +34,7 @@ class GGUFError(WeightsError):
     """The file is not a deepseek4 GGUF that ds4ref can read (a ValueError)."""
 
 
+GGML_MAX_DIMS = 4  # ggml tensors have at most four dimensions
 _INT_TYPES = {QType.I8: np.int8, QType.I16: np.int16, QType.I32: np.int32, QType.I64: np.int64}
 
 # Metadata keys whose GGUF type is not the default for their Python type (spec §2.1).
@@ -176,7 +179,7 @@ class _RawTensor:
 
 
 def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], list[_RawTensor], int]:
-    """metadata, {key: (type, element type)}, tensor infos, absolute start of tensor data."""
+    """metadata, {key: (type, element type)}, tensor infos, end of the header."""
     h = _Header(buf)
     if buf[:4] != b"GGUF":
         raise GGUFError("not a GGUF file (bad magic)")
@@ -193,11 +196,21 @@ def _parse(buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, tuple[int, int | N
     infos = []
     for _ in range(n_tensors):
         name = h.string()
-        ne = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
+        n_dims = h.unpack("<I")
+        if n_dims > GGML_MAX_DIMS:
+            raise GGUFError(f"tensor {name!r} has {n_dims} dimensions; GGUF allows at most {GGML_MAX_DIMS}")
+        ne = [h.unpack("<Q") for _ in range(n_dims)]
         infos.append(_RawTensor(name, h.unpack("<I"), tuple(reversed(ne)), h.unpack("<Q")))
-    align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
-    data_start = -(-h.pos // align) * align
-    return meta, types, infos, data_start
+    return meta, types, infos, h.pos
+
+
+def _data_start(meta: dict, header_end: int) -> int:
+    """Where tensor data begins: the header's end rounded up to general.alignment."""
+    align = meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if not 1 <= align <= 1 << 30 or align & (align - 1):  # its integer type is checked already
+        raise GGUFError(f"general.alignment is {align}; it must be a power of two up to 2^30 "
+                        f"(as llama.cpp requires; the default is {gguf.GGUF_DEFAULT_ALIGNMENT})")
+    return -(-header_end // align) * align
 
 
 def _plain_f32(v: float) -> float:
@@ -232,12 +245,17 @@ class GGUFModelFile:
         self.path = os.fspath(path)
         self._buf = _map(self.path)
         try:
-            meta, self.value_types, infos, data_start = _parse(self._buf)
+            meta, self.value_types, infos, header_end = _parse(self._buf)
         except GGUFError as exc:
             raise GGUFError(f"{self.path}: {exc}") from None
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
             raise GGUFError(f"{self.path}: cannot parse the GGUF header, the file is truncated or corrupt "
                             f"({type(exc).__name__}: {exc})") from None
+        try:
+            check_types(self.value_types)  # before any value is used
+            data_start = _data_start(meta, header_end)
+        except (MetadataError, GGUFError) as exc:
+            raise GGUFError(f"{self.path}: {exc}") from None
         self.metadata: dict[str, Any] = {k: _python_value(v, *self.value_types[k]) for k, v in meta.items()}
         self.config = _config_from(self.metadata, self.path)
         self.tensors: dict[str, TensorEntry] = {}
@@ -279,7 +297,7 @@ class GGUFModelFile:
         if info.shape and info.shape[-1] % block:
             raise GGUFError(f"{self.path}: tensor {info.name!r}: row length {info.shape[-1]} is not a multiple "
                             f"of the {qtype.name} block size {block}")
-        n = int(np.prod(info.shape, dtype=np.int64))
+        n = math.prod(info.shape)  # Python ints: NumPy's int64 product wraps ([2^32, 2^32] -> 0)
         offset, n_bytes = data_start + info.rel_offset, n // block * size
         if offset + n_bytes > len(self._buf):
             raise GGUFError(f"{self.path}: file is truncated: tensor {info.name!r} needs bytes up to "
@@ -329,9 +347,11 @@ def _view(buf: mmap.mmap, qtype: QType, shape: tuple[int, ...], offset: int, n: 
 
 def _config_from(meta: dict, path: str) -> DS4Config:
     try:
-        return DS4Config.from_metadata(meta)
-    except (ConfigError, TypeError, ValueError) as exc:
+        config = DS4Config.from_metadata(meta)
+        check_tokenizer(meta, config.vocab_size)
+    except (ConfigError, MetadataError, TypeError, ValueError) as exc:  # a check's own bug still names the file
         raise GGUFError(f"{path}: {exc}") from None
+    return config
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFModelFile:
@@ -441,7 +461,7 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
 
 def _stored_nbytes(name: str, shape: tuple[int, ...], qtype: QType) -> int:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(int(d) for d in shape)
     if shape and shape[-1] % block:
         raise GGUFError(f"tensor {name!r}: row length {shape[-1]} is not a multiple of the "
                         f"{qtype.name} block size {block}")

@@ -19,8 +19,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, **state_kwargs) -> None:
+    def __init__(self, state_overrides: dict | None = None, **state_kwargs) -> None:
         self.state = build_state(**state_kwargs)
+        for name, value in (state_overrides or {}).items():  # e.g. a small body limit
+            setattr(self.state, name, value)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,

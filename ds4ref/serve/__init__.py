@@ -5,6 +5,7 @@ create_app() puts the HTTP API on top. Tests use both directly.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 MAX_LANES = 16
@@ -34,6 +35,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
         raise ValueError(f"--max-context must be in 2..{model_context} (the model's context length), "
                          f"got {max_context}")
     context = max_context or model_context
+    if backend == "numpy":  # the hip backend checks device memory itself
+        check_host_memory(model.config, max_concurrency, context, kv_pool_tokens, model.reference.dtype)
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context)
     scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum)
@@ -48,6 +51,37 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}")
     return state
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 30):.1f} GiB" if n_bytes >= 1 << 30 else f"{n_bytes / (1 << 20):.1f} MiB"
+
+
+def check_host_memory(config, lanes: int, context: int, kv_pool_tokens: Optional[int], dtype) -> None:
+    """Refuse, before allocating, a KV state that cannot fit this machine's memory,
+    naming the keys and flags that size it (a 2^40 context once ended in a bare
+    MemoryError)."""
+    import numpy as np
+    from ..backend import PAGE_TOKENS
+    from ..paging.layout import PageLayout
+    from ..paging.pool import pool_pages
+
+    layout, itemsize = PageLayout(config, PAGE_TOKENS), np.dtype(dtype).itemsize
+    n_pages = pool_pages(lanes, context, kv_pool_tokens, PAGE_TOKENS)
+    paged = n_pages * layout.page_elements() * itemsize
+    windows = lanes * layout.slot_elements() * itemsize
+    have = host_memory_bytes()
+    if paged + windows > have:
+        raise MemoryError(
+            f"the KV state needs {_size(paged + windows)} but this machine has {_size(have)}: "
+            f"{_size(paged)} of pages for {lanes} lanes x {context} tokens (deepseek4.context_length, "
+            f"or --max-context / --kv-pool-tokens) and {_size(windows)} of per-lane state "
+            f"(deepseek4.attention.sliding_window = {config.sliding_window}); lower --max-context, "
+            f"--kv-pool-tokens or --max-concurrency")
 
 
 def create_app(state):

@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_context, args.max_queue, args.served_model_name,
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics)
     except Exception as e:  # a bad flag combination, a missing GPU, an unreadable file
-        print(f"ds4ref.serve: error: {e}", file=sys.stderr)
+        print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
     print(f"{state.banner}; listening on http://{args.host}:{args.port}", flush=True)
-    import uvicorn
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    from .shutdown import serve
+    serve(create_app(state), state.runner, args.host, args.port, args.log_level, args.shutdown_timeout)
     return 0
 
 

@@ -34,6 +34,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 MAX_PROMPT_CHARS_PER_TOKEN = 256    # longer text is refused before tokenising it
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 64 << 20           # a 1M-token prompt as a JSON id list is ~8 MB
+BODY_TIMEOUT_S = 60.0               # for the whole body: 64 MiB at ~1 MiB/s, and a trickle ends too
+LINGER_S = 1.0                      # a body over the cap is read and dropped this long before the 413
 
 
 @dataclass
@@ -44,6 +46,8 @@ class ServerState:
     max_context: int
     vocab_size: int
     banner: str = ""
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -226,6 +230,9 @@ class Generation:
                     deltas += self.text.finish()
                     break
             yield deltas, infos
+            # next_events returns at once while events are queued: without this a
+            # request that never waits would keep the loop (and /health) from running
+            await asyncio.sleep(0)
 
     def _token_info(self, ev: TokenEvent) -> TokenInfo:
         tok = self.state.tokenizer
@@ -321,23 +328,99 @@ def _error_event(e: APIError) -> str:
     return sse(e.body())
 
 
-class BodyLimit:
-    """Refuse (413) a request whose Content-Length exceeds max_bytes before its body
-    is read. A pure ASGI middleware: Starlette's BaseHTTPMiddleware would get in the
-    way of disconnect detection on streams."""
+def internal_error(exc: BaseException) -> APIError:
+    """What a client sees of a bug: OpenAI-shaped, naming the exception."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")
 
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Read each request's whole body before the app sees it, and refuse it with 413
+    once it passes max_bytes (announced by Content-Length, or counted as chunks of a
+    chunked body arrive) or with 408 if it is not complete within timeout_s (a client
+    that announces more than it sends would otherwise hold its connection forever).
+    The app then gets the body in one message and `receive` as before (disconnects).
+
+    A pure ASGI middleware: Starlette's BaseHTTPMiddleware would get in the way of
+    disconnect detection on streams.
+    """
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers", ())).get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > self.max_bytes:
-                err = APIError(413, f"request body over {self.max_bytes} bytes (or a bad Content-Length)",
-                               None, "body_too_large")
-                await err.response()(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(413, f"request body over {self.max_bytes} bytes (or a bad Content-Length)",
+                               "body_too_large", scope, receive, send)
+            return
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except _BodyTooLarge:
+            await self._refuse(413, f"request body over {self.max_bytes} bytes", "body_too_large",
+                               scope, receive, send)
+            return
+        except asyncio.TimeoutError:
+            await self._refuse(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                               "body_timeout", scope, receive, send)
+            return
+        if body is not None:  # None: the client left mid-body, nobody to answer
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive) -> Optional[bytes]:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _discard_rest(receive)
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    @staticmethod
+    async def _refuse(status: int, message: str, code: str, scope, receive, send) -> None:
+        # close the connection: what the client still sends is not read
+        err = APIError(status, message, None, code, headers={"Connection": "close"})
+        await err.response()(scope, receive, send)
+
+
+async def _discard_rest(receive) -> None:
+    """Read and drop what the client is still sending, for up to LINGER_S. Closing a
+    socket with unread input makes the kernel send a reset, which can destroy the 413
+    before the client has read it; a client that keeps sending past LINGER_S is cut."""
+    async def drain() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 return
-        await self.app(scope, receive, send)
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(drain(), LINGER_S)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that hands out the buffered body once, then what the client sends next."""
+    delivered = False
+
+    async def replay():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -354,7 +437,7 @@ def create_app(state: ServerState) -> FastAPI:
             log.info("runner stopped")
 
     app = FastAPI(title="ds4ref", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, timeout_s=state.body_timeout_s)
     app.state.ds4 = state
 
     @app.exception_handler(RequestValidationError)
@@ -364,6 +447,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        # Starlette still logs the traceback; the client gets the usual error body, not plain text
+        return internal_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
@@ -452,6 +540,9 @@ async def _sse_frame(gen: Generation, head: dict, include_usage: bool, body: Asy
             yield sse(dict(head, choices=[], usage=gen.usage()))
     except APIError as e:
         yield _error_event(e)
+    except Exception as e:  # noqa: BLE001 - a bug must still end the stream as the protocol says
+        log.exception("request %d failed", gen.request.req_id)
+        yield _error_event(internal_error(e))
     finally:
         gen.close()
     yield "data: [DONE]\n\n"

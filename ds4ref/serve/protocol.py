@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 
 MAX_STOP = 16          # OpenAI allows 4 stop strings; DeepSeek's API 16
+MAX_STOP_CHARS = 4096  # all stop strings together; matching is linear, this bounds its memory
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows
 U64 = (1 << 64) - 1
 
@@ -64,6 +65,9 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
         if any(isinstance(s, str) and s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        total = sum(len(s) for s in items if isinstance(s, str))
+        if total > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings total {total} characters; at most {MAX_STOP_CHARS} are allowed")
         return stop
 
     @field_validator("stream_options")

@@ -37,21 +37,84 @@ class Delta:
     text: str
 
 
-def _held_prefix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+class StopMatcher:
+    """Aho-Corasick automaton over the stop strings, fed the answer one character at a time.
+
+    Its state is the longest suffix of the text fed so far that is a prefix of some
+    stop string, which is exactly what must be held back, and a terminal state (or one
+    on its failure chain) is a match. So each character costs O(1) amortised, whatever
+    the number and length of the stop strings; rescanning the tail for every stop
+    string cost O(len(stop)^2) per token and starved the event loop.
+
+    Written here rather than taken from pyahocorasick: its iterator does not expose the
+    automaton's current depth (the held-back length), which is what streaming needs.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._next: list[dict[str, int]] = [{}]  # trie edges, node 0 is the root
+        self._depth = [0]
+        self._fail = [0]
+        self._match = [0]  # length of the longest stop string ending at this node, 0 = none
+        for s in stops:
+            self._insert(s)
+        self._link()
+        self._state = 0
+        self._fed = 0  # characters fed so far
+
+    def _insert(self, s: str) -> None:
+        node = 0
+        for ch in s:
+            child = self._next[node].get(ch)
+            if child is None:
+                child = len(self._next)
+                self._next[node][ch] = child
+                self._next.append({})
+                self._depth.append(self._depth[node] + 1)
+                self._fail.append(0)
+                self._match.append(0)
+            node = child
+        self._match[node] = len(s)
+
+    def _link(self) -> None:
+        """Failure links, breadth first: a node's link is the longest proper suffix that is in the trie."""
+        queue = list(self._next[0].values())
+        for node in queue:  # the list grows as we go: a breadth-first walk
+            for ch, child in self._next[node].items():
+                f = self._fail[node]
+                while f and ch not in self._next[f]:
+                    f = self._fail[f]
+                self._fail[child] = self._next[f].get(ch, 0)  # shallower than child: never itself
+                # the node itself is the deepest on its chain, so its own match is the longest
+                self._match[child] = self._match[child] or self._match[self._fail[child]]
+                queue.append(child)
+
+    def feed(self, text: str) -> Optional[int]:
+        """Advance over `text`; the stream offset where the earliest-starting match found
+        in it begins, or None. The whole text is scanned: a match that ends later may
+        start earlier (stops "abcd" and "bc" in "abcd")."""
+        first = None
+        for ch in text:
+            node = self._state
+            while node and ch not in self._next[node]:
+                node = self._fail[node]
+            self._state = self._next[node].get(ch, 0)
+            self._fed += 1
+            n = self._match[self._state]
+            if n and (first is None or self._fed - n < first):
+                first = self._fed - n
+        return first
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the fed text that may still start a stop string."""
+        return self._depth[self._state]
 
 
 class TextAssembler:
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), thinking: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stop_strings if s]
+        self._matcher = StopMatcher(self.stops)
         self.channel = REASONING if thinking else CONTENT
         self.think_end = tokenizer.token_to_id(THINK_END) if thinking else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -74,8 +137,7 @@ class TextAssembler:
         if self.channel == REASONING:
             self.reasoning += piece
             return [Delta(REASONING, piece)] if piece else []
-        self.answer += piece
-        return self._release(final=False)
+        return self._release(piece, final=False)
 
     def finish(self) -> list[Delta]:
         """Release what was held back once generation has ended."""
@@ -85,18 +147,19 @@ class TextAssembler:
         if self.channel == REASONING:
             self.reasoning += tail
             return [Delta(REASONING, tail)] if tail else []
-        self.answer += tail
-        return self._release(final=True)
+        return self._release(tail, final=True)
 
-    def _release(self, final: bool) -> list[Delta]:
+    def _release(self, piece: str, final: bool) -> list[Delta]:
+        """Add `piece` to the answer and release what can no longer be part of a stop string."""
+        self.answer += piece
         # A stop string cannot start before _sent: its start would have been held back.
-        hits = [i for i in (self.answer.find(s, self._sent) for s in self.stops) if i >= 0]
-        if hits:
-            self.answer = self.answer[:min(hits)]
+        hit = self._matcher.feed(piece)
+        if hit is not None:
+            self.answer = self.answer[:hit]
             self.stopped = True
             end = len(self.answer)
         else:
-            end = len(self.answer) - (0 if final else _held_prefix(self.answer, self.stops))
+            end = len(self.answer) - (0 if final else self._matcher.held)
         out = self.answer[self._sent:end]
         self._sent = max(self._sent, end)
         return [Delta(CONTENT, out)] if out else []
