@@ -166,14 +166,18 @@ def _butterfly(p, n):
 def _dot_warp8(w, x, c0, clen, p):
     """Warp dot of w[c0:c0+clen] . x[c0:c0+clen]: lane t sums columns t*8 .. t*8+7 of every
     256-column step, steps in order, then the butterfly."""
+    full = clen // (LANES * 8) * (LANES * 8)
     for t in range(LANES):
-        p[t] = _ZERO
-    for s in range(0, clen, LANES * 8):
-        for t in range(LANES):
+        acc = _ZERO
+        for s in range(0, full, LANES * 8):
+            o = c0 + s + t * 8
             for j in range(8):
-                c = s + t * 8 + j
-                if c < clen:
-                    p[t] = p[t] + w[c0 + c] * x[c0 + c]
+                acc = acc + w[o + j] * x[o + j]
+        for j in range(8):  # the last, partial step
+            c = full + t * 8 + j
+            if c < clen:
+                acc = acc + w[c0 + c] * x[c0 + c]
+        p[t] = acc
     return _butterfly(p, LANES)
 
 
