@@ -75,7 +75,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "n_hash_layers": (0, 1024),           # 3
     "sliding_window": (1, 1 << 16),       # 128
     "indexer_heads": (1, 1024),           # 64
-    "indexer_head_dim": (32, 1 << 13),    # 128
+    "indexer_head_dim": (1, 1 << 13),     # 128 (official numerics need a power of two >= 32)
     "indexer_top_k": (1, 1 << 20),        # 512
     "hc_mult": (1, 64),                   # 4
     "hc_sinkhorn_iters": (1, 1000),       # 20

@@ -36,3 +36,17 @@ def test_kernel_compiles_with_exact_options(name):
         assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_iq2xxs_grid_header_is_gguf_pys():
+    """ds4_iq2xxs.h's packed table decodes to gguf-py's IQ2_XXS grid (8, 25, 43 per code)."""
+    import re
+
+    import numpy as np
+    from gguf import quants
+    text = (KERNEL_DIR / "ds4_iq2xxs.h").read_text()
+    words = [int(v, 16) for v in re.findall(r"0x([0-9a-f]{4})", text.split("{", 1)[1])]
+    assert len(words) == 256
+    codes = np.array([[(w >> (2 * e)) & 3 for e in range(8)] for w in words])
+    quants.IQ2_XXS.init_grid()
+    assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], quants.IQ2_XXS.grid.reshape(256, 8))

@@ -1,7 +1,7 @@
 """Model weights in device memory, uploaded once.
 
 Matrices (everything 2-D or 3-D read by a matvec, the embedding and the routed
-experts) keep the encoding the GGUF file stores (F32, F16, BF16, Q8_0), so the
+experts) keep the encoding the GGUF file stores (F32, F16, BF16, Q8_0, Q2_K, Q4_K, IQ2_XXS, MXFP4), so the
 kernels read exactly the bytes the file holds; weights not from a GGUF file go up
 as f32. Vectors (norms, biases, HC scalars, sinks, compressor position biases) go
 up as f32, already dequantised (exact). The routing hash table goes up as int32.
@@ -19,8 +19,9 @@ from ..tensors import is_int_tensor, tensor_shapes
 from .guards import check_weight_types
 from .ops import DeviceWeight, f32_to_bf16_bits
 
-WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3}
-_GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
+WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
+_GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
+                  "IQ2_XXS": "iq2_xxs", "MXFP4": "mxfp4"}
 
 
 @dataclass
@@ -138,7 +139,7 @@ def _stored_types(weights) -> dict[str, str]:
 
 
 def _raw(weights, name: str, wtype: str) -> np.ndarray:
-    """The file's stored values/bytes of a matrix: f16 values, bf16 bits, Q8_0 row bytes."""
+    """The file's stored values/bytes of a matrix: f16 values, bf16 bits, the row bytes of a block quant."""
     data = np.asarray(weights.file.tensor(name).data)
     if wtype == "bf16":
         return data.view(np.uint16) if data.dtype != np.uint16 else data

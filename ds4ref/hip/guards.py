@@ -21,12 +21,12 @@ from ..tensors import tensor_shapes
 
 SUPPORTED_ROCM_ARCHS = ("gfx1151",)
 # Weight encodings the matvec kernels read (GGML type names).
-SUPPORTED_WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "I32")
+SUPPORTED_WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q2_K", "Q4_K", "IQ2_XXS", "MXFP4", "I32")
 
 # bytes per block, values per block, for every GGML type a DS4 GGUF may hold
 _TYPE_BLOCK = {
     "F32": (4, 1), "F16": (2, 1), "BF16": (2, 1), "I32": (4, 1),
-    "Q8_0": (34, 32), "Q4_K": (144, 256), "Q2_K": (84, 256), "IQ2_XXS": (66, 256),
+    "Q8_0": (34, 32), "Q4_K": (144, 256), "Q2_K": (84, 256), "IQ2_XXS": (66, 256), "MXFP4": (17, 32),
 }
 
 

@@ -28,7 +28,10 @@ MAX_LANES = 16
 # v2: matvec with wide staging and batched loads, key-split attention.
 # v1: the first, simplest versions, kept as the known-good fallback.
 KERNELS = os.environ.get("DS4REF_KERNELS", "v3")
-WTYPES = ("f32", "f16", "bf16", "q8_0")
+WTYPES = ("f32", "f16", "bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs", "mxfp4")
+# GGUF block quants the kernels dequantise in registers: (bytes, weights) per block
+BLOCK_QUANTS = {"q8_0": (34, 32), "q2_k": (84, 256), "q4_k": (144, 256), "iq2_xxs": (66, 256), "mxfp4": (17, 32)}
+K_QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")  # v3 kernels only, rows per warp 1 or 2
 _SOURCES = {
     "norm": "norm.hip", "rope": "rope.hip", "quant": "quant.hip", "matvec": "matvec.hip",
     "attention": "attention.hip", "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
@@ -146,6 +149,9 @@ def dequantize(w: np.ndarray, wtype: str) -> np.ndarray:
         return bf16_bits_to_f32(w)
     if wtype == "q8_0":
         return dequantize_q8_0(w)
+    if wtype in BLOCK_QUANTS:  # gguf-py's dequantisation is the reference's
+        from gguf import GGMLQuantizationType, quants
+        return quants.dequantize(np.ascontiguousarray(w, np.uint8), GGMLQuantizationType[wtype.upper()])
     raise UnsupportedShapeError(f"weight type {wtype!r} is not one of {WTYPES}")
 
 
@@ -163,7 +169,10 @@ def _wtype_of(w: np.ndarray, wtype: str | None) -> str:
 
 
 def weight_cols(w: np.ndarray, wtype: str) -> int:
-    return w.shape[-1] // 34 * 32 if wtype == "q8_0" else w.shape[-1]
+    if wtype in BLOCK_QUANTS:
+        nbytes, per = BLOCK_QUANTS[wtype]
+        return w.shape[-1] // nbytes * per
+    return w.shape[-1]
 
 
 # ---------------------------------------------------------------------------
@@ -270,7 +279,8 @@ class DeviceWeight:
     def upload(cls, rt: Runtime, w: np.ndarray, wtype: str | None = None) -> "DeviceWeight":
         wt = _wtype_of(w, wtype)
         k = weight_cols(w, wt)
-        _need(k % (32 if wt == "q8_0" else 8) == 0, f"matvec: K={k} must be a multiple of 8 (32 for Q8_0)")
+        block = BLOCK_QUANTS.get(wt, (0, 8))[1]
+        _need(k % block == 0, f"matvec: K={k} must be a multiple of {block} for {wt}")
         return cls(rt.upload(np.ascontiguousarray(w)), wt, int(np.prod(w.shape[:-1])), k)
 
 
@@ -286,6 +296,7 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
     n = w.rows // groups
     ldx = ldx if ldx is not None else w.cols
     ldy = ldy if ldy is not None else w.rows
+    _need(KERNELS == "v3" or w.wtype not in K_QUANTS, f"matvec: {w.wtype} weights need the v3 kernels")
     if KERNELS == "v3":
         ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
         if ks and part is not None:
@@ -298,6 +309,8 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
                       (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
             return
         rpw = matvec_rows_per_warp(rt, n * groups)
+        if w.wtype in K_QUANTS:
+            rpw = min(rpw, 2)  # r1 and r2 are built for the K-quants and MXFP4
         rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups), (256,),
                   (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
         return
@@ -667,6 +680,31 @@ def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
             w.buf.free()
     y = np.concatenate(outs, axis=0)
     return y[0] if squeeze else y
+
+
+def routed_experts(w, wtype: str, x, ids, rt=None):
+    """The backend's routed-expert kernel: w (E, N, row bytes or K), x (L, K) or (L, kk, K) (one
+    input per choice), ids (L, kk) -> y (L, kk, N) = W[ids[l, t]] @ x, every lane valid."""
+    rt = _rt(rt)
+    x, ids = _f32(x), np.ascontiguousarray(ids, np.int32)
+    L, kk = ids.shape
+    _need(L <= MAX_LANES, f"routed_experts: {L} lanes, the kernel takes 1..{MAX_LANES}")
+    E, N = w.shape[0], w.shape[1]
+    K = weight_cols(w, wtype)
+    per_choice = x.ndim == 3
+    xs = np.zeros((MAX_LANES, kk, K) if per_choice else (MAX_LANES, K), F32)
+    xs[:L] = x
+    slots = np.full(MAX_LANES, -1, np.int32)
+    slots[:L] = np.arange(L)
+    ids16 = np.zeros((MAX_LANES, kk), np.int32)
+    ids16[:L] = ids
+    r = 2 if N >= 16 else 1
+    with _Scope(rt) as s:
+        y = s.out((MAX_LANES, kk, N))
+        rt.launch(rt.compile_file("step_ops.hip").kernel(f"step_experts3_{wtype}_r{r}"), (_blocks(N, 8 * r), E),
+                  (256,), (s.up(np.ascontiguousarray(w)), s.up(xs), I32(1 if per_choice else 0), s.up(ids16),
+                           s.up(slots), y, I32(N), I32(K), I32(kk)))
+        return s.get(y, (MAX_LANES, kk, N))[:L]
 
 
 def launch_argmax(rt, x: DeviceBuffer, out: DeviceBuffer, L: int, V: int) -> None:

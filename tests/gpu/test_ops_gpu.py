@@ -108,8 +108,32 @@ def make_weight(seed, n, k, wtype):
     if wtype == "bf16":
         b = g.f32_to_bf16_bits(w)
         return b, g.bf16_bits_to_f32(b)
-    raw = g.quantize_q8_0(w)
-    return raw, g.dequantize_q8_0(raw)
+    if wtype == "q8_0":
+        raw = g.quantize_q8_0(w)
+        return raw, g.dequantize_q8_0(raw)
+    raw = random_blocks(seed, n, k, wtype)
+    return raw, g.dequantize(raw, wtype)
+
+
+def random_blocks(seed, n, k, wtype) -> np.ndarray:
+    """Random but valid GGUF blocks, (n, row bytes): random codes, finite f16 scales of
+    about 1/sqrt(k), E8M0 exponents near 2^-4 (MXFP4)."""
+    nbytes, per = g.BLOCK_QUANTS[wtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    scale = lambda: (rng.uniform(0.2, 1.0, (n, k // per)) / math.sqrt(k)).astype(np.float16).view(np.uint8)
+    if wtype == "q2_k":
+        raw[..., 80:82], raw[..., 82:84] = scale().reshape(n, -1, 2), scale().reshape(n, -1, 2)
+    elif wtype == "q4_k":
+        raw[..., 0:2], raw[..., 2:4] = scale().reshape(n, -1, 2), scale().reshape(n, -1, 2)
+    elif wtype == "iq2_xxs":
+        raw[..., 0:2] = scale().reshape(n, -1, 2)
+    else:
+        raw[..., 0] = rng.integers(118, 126, (n, k // per))
+    return raw.reshape(n, -1)
+
+
+QUANTS = ["q2_k", "q4_k", "iq2_xxs", "mxfp4"]
 
 
 @SETTINGS
@@ -399,3 +423,46 @@ def test_attention_batch_invariance(rt):
         assert np.array_equal(alone[0], among[l])
     want = ref.attention_with_sinks(q, np.concatenate([ring, comp], 1), sinks, np.concatenate([rm, cm], 1))
     assert same_bits(among, want)
+
+
+# ---- block quants (GGUF's Q2_K, Q4_K, IQ2_XXS, MXFP4), dequantised in registers ----------
+
+@SETTINGS
+@given(seed=seeds, L=lanes, n=st.integers(1, 300), kb=st.integers(1, 12), wtype=st.sampled_from(QUANTS))
+def test_matvec_block_quants(rt, seed, L, n, kb, wtype):
+    """gguf-py's dequantisation and the canonical dot: the kernel's bits, also past a chunk."""
+    k = 256 * kb
+    w, wf = make_weight(seed, n, k, wtype)
+    x = rnd(seed + 1, L, k)
+    assert same_bits(g.matvec(w, x, wtype=wtype, rt=rt), ref.linear(x, wf))
+
+
+@pytest.mark.parametrize("wtype", QUANTS)
+@pytest.mark.parametrize("n,k", [(24, 16384), (4096, 4096), (2048, 4096)])
+def test_matvec_block_quants_flash_shapes(rt, wtype, n, k):
+    """The hc mix's K-split shape and Flash's 4096-wide projections, 16 lanes and alone."""
+    w, wf = make_weight(n + k, n, k, wtype)
+    x = rnd(n * 3 + k, 16, k)
+    among = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert same_bits(among, ref.linear(x, wf))
+    assert same_bits(g.matvec(w, x[7:8], wtype=wtype, rt=rt)[0], among[7])
+
+
+@SETTINGS
+@given(seed=seeds, L=lanes, E=st.sampled_from([4, 16]), kk=st.sampled_from([1, 2, 6]),
+       shape=st.sampled_from([(256, 512), (64, 256), (512, 2048)]), down=st.booleans(),
+       wtype=st.sampled_from(["f32", "bf16", "q8_0"] + QUANTS))
+def test_routed_experts(rt, seed, L, E, kk, shape, down, wtype):
+    """Each (lane, choice) is the reference's unsplit dot with that expert, whoever else chose it."""
+    assume(kk <= E)
+    N, K = shape
+    rng = np.random.default_rng(seed)
+    mats = [make_weight(seed + 10 * e, N, K, wtype) for e in range(E)]
+    w = np.stack([m[0] for m in mats])
+    ids = np.stack([np.sort(rng.choice(E, kk, replace=False)) for _ in range(L)]).astype(np.int32)
+    x = rnd(seed + 1, L, kk, K) if down else rnd(seed + 1, L, K)
+    got = g.routed_experts(w, wtype, x, ids, rt=rt)
+    for l in range(L):
+        for t in range(kk):
+            xi = x[l, t] if down else x[l]
+            assert same_bits(got[l, t], ref.linear(xi, mats[ids[l, t]][1], split=False))

@@ -5,6 +5,7 @@
 // then the xor butterfly combines the 32 partials.
 #pragma once
 #include "ds4_hip.h"
+#include "ds4_iq2xxs.h"
 
 #ifndef WT_F32
 #define WT_F32 0
@@ -12,6 +13,12 @@
 #define WT_BF16 2
 #define WT_Q8_0 3
 #endif
+// GGUF's block quants, dequantised in registers exactly as gguf-py's quants module does
+// (the same float32 operations in the same order), so a row's values are the reference's.
+#define WT_Q2_K 4    // 256 per 84 bytes: scales[16], qs[64], d, dmin
+#define WT_Q4_K 5    // 256 per 144 bytes: d, dmin, scales[12], qs[128]
+#define WT_IQ2_XXS 6 // 256 per 66 bytes: d, then 8 x (grid indices u32, signs + scale u32)
+#define WT_MXFP4 7   // 32 per 17 bytes: E8M0 exponent, qs[16]
 #ifndef MV_LANES
 #define MV_LANES 16
 #endif
@@ -23,8 +30,23 @@
 
 template <int WT>
 struct Mv3Raw {
-    uint4 v[WT == WT_F32 ? 2 : 1];
+    uint4 v[WT == WT_F32 || WT == WT_Q4_K ? 2 : 1];
 };
+
+__device__ __forceinline__ ds4_u32 mv3_u32_at2(const ds4_u8* p) {  // a u32 at a 2-byte aligned address
+    const ds4_u16* h = (const ds4_u16*)p;
+    return (ds4_u32)h[0] | ((ds4_u32)h[1] << 16);
+}
+
+// The 8 4-bit codes of MXFP4 at in-block offset i0 (0, 8, 16 or 24), from a byte-aligned block.
+__device__ __forceinline__ void mv3_mxfp4_codes(const ds4_u8* qs, int i0, ds4_u32* lo, ds4_u32* hi) {
+    int b = i0 & 15, sh = i0 < 16 ? 0 : 4;
+    ds4_u32 c[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) c[e] = (qs[b + e] >> sh) & 0xfu;
+    *lo = c[0] | (c[1] << 4) | (c[2] << 8) | (c[3] << 12) | (c[4] << 16) | (c[5] << 20) | (c[6] << 24) | (c[7] << 28);
+    *hi = 0;
+}
 
 // Raw words of 8 consecutive weights of `row` (a pointer to the row's first byte) at column col.
 template <int WT>
@@ -35,14 +57,55 @@ __device__ __forceinline__ void mv3_load(const ds4_u8* __restrict__ row, int col
         r.v[1] = p[1];
     } else if (WT == WT_F16 || WT == WT_BF16) {
         r.v[0] = *(const uint4*)(row + (long long)col * 2);
-    } else {  // Q8_0: scale bits in .x, the 8 quants in .y/.z (blocks are only 2-byte aligned)
+    } else if (WT == WT_Q8_0) {  // scale bits in .x, the 8 quants in .y/.z (blocks are only 2-byte aligned)
         const ds4_u8* blk = row + (long long)(col / 32) * 34;
         const ds4_u16* q = (const ds4_u16*)(blk + 2 + (col % 32));
         r.v[0].x = *(const ds4_u16*)blk;
         r.v[0].y = (ds4_u32)q[0] | ((ds4_u32)q[1] << 16);
         r.v[0].z = (ds4_u32)q[2] | ((ds4_u32)q[3] << 16);
         r.v[0].w = 0;
+    } else if (WT == WT_Q2_K) {  // .x d | dmin, .y the sub-block's scale byte and the shift, .z/.w 8 qs bytes
+        const ds4_u8* blk = row + (long long)(col / 256) * 84;
+        int i0 = col % 256;
+        const ds4_u32* q = (const ds4_u32*)(blk + 16 + (i0 / 128) * 32 + (i0 % 32));
+        r.v[0].x = *(const ds4_u32*)(blk + 80);
+        r.v[0].y = (ds4_u32)blk[i0 / 16] | ((ds4_u32)(2 * ((i0 % 128) / 32)) << 8);
+        r.v[0].z = q[0];
+        r.v[0].w = q[1];
+    } else if (WT == WT_Q4_K) {  // v[0]: d | dmin, the 12 scale bytes; v[1]: 8 qs bytes, the sub-block
+        const ds4_u8* blk = row + (long long)(col / 256) * 144;
+        int i0 = col % 256;
+        const ds4_u32* w32 = (const ds4_u32*)blk;
+        const ds4_u32* q = (const ds4_u32*)(blk + 16 + (i0 / 64) * 32 + (i0 % 32));
+        r.v[0] = make_uint4(w32[0], w32[1], w32[2], w32[3]);
+        r.v[1] = make_uint4(q[0], q[1], (ds4_u32)(i0 / 32), 0u);
+    } else if (WT == WT_IQ2_XXS) {  // .x d, .y grid indices, .z signs + scale, .w the group of 8
+        const ds4_u8* blk = row + (long long)(col / 256) * 66;
+        int i0 = col % 256;
+        const ds4_u8* sub = blk + 2 + (i0 / 32) * 8;
+        r.v[0].x = *(const ds4_u16*)blk;
+        r.v[0].y = mv3_u32_at2(sub);
+        r.v[0].z = mv3_u32_at2(sub + 4);
+        r.v[0].w = (ds4_u32)((i0 % 32) / 8);
+    } else {  // MXFP4: .x the exponent byte, .y the 8 codes (blocks are byte aligned)
+        const ds4_u8* blk = row + (long long)(col / 32) * 17;
+        ds4_u32 hi;
+        r.v[0].x = blk[0];
+        mv3_mxfp4_codes(blk + 1, col % 32, &r.v[0].y, &hi);
+        r.v[0].z = r.v[0].w = 0;
     }
+}
+
+// MXFP4's E2M1 values doubled, and its E8M0 exponent as half the power of two (ggml's
+// ggml_e8m0_to_fp32_half), so that the product is the value.
+__device__ __forceinline__ float mv3_e2m1_doubled(ds4_u32 c) {
+    const float v[16] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f,
+                         0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f};  // code 8 is +0, as gguf-py has it
+    return v[c & 15u];
+}
+
+__device__ __forceinline__ float mv3_e8m0_half(ds4_u32 e) {
+    return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
 }
 
 // The 8 weights as f32, exactly as mv_load8 widens them.
@@ -61,7 +124,7 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
             w[2 * t] = WT == WT_F16 ? ds4_f16_to_f32(lo) : ds4_bf16_to_f32(lo);
             w[2 * t + 1] = WT == WT_F16 ? ds4_f16_to_f32(hi) : ds4_bf16_to_f32(hi);
         }
-    } else {
+    } else if (WT == WT_Q8_0) {
         float d = ds4_f16_to_f32((ds4_u16)r.v[0].x);
         ds4_u32 parts[2] = {r.v[0].y, r.v[0].z};
 #pragma unroll
@@ -72,11 +135,52 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
             w[4 * t + 2] = d * (float)(ds4_i8)((p >> 16) & 0xffu);
             w[4 * t + 3] = d * (float)(ds4_i8)(p >> 24);
         }
+    } else if (WT == WT_Q2_K) {  // (d * scale) * q - (dmin * min), q two bits
+        ds4_u32 sc = r.v[0].y & 0xffu, sh = r.v[0].y >> 8;
+        float dl = ds4_f16_to_f32((ds4_u16)(r.v[0].x & 0xffffu)) * (float)(sc & 0xfu);
+        float ml = ds4_f16_to_f32((ds4_u16)(r.v[0].x >> 16)) * (float)(sc >> 4);
+        ds4_u32 parts[2] = {r.v[0].z, r.v[0].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[e] = dl * (float)((parts[e / 4] >> (8 * (e % 4) + sh)) & 3u) - ml;
+    } else if (WT == WT_Q4_K) {  // (d * scale) * q - (dmin * min), 6-bit scales and mins packed in 12 bytes
+        ds4_u32 sw[3] = {r.v[0].y, r.v[0].z, r.v[0].w};
+        int s = (int)r.v[1].z;
+        auto byte = [&](int i) { return (sw[i / 4] >> (8 * (i % 4))) & 0xffu; };
+        ds4_u32 sc = s < 4 ? byte(s) & 63u : (byte(s + 4) & 0xfu) | ((byte(s - 4) >> 6) << 4);
+        ds4_u32 mn = s < 4 ? byte(s + 4) & 63u : (byte(s + 4) >> 4) | ((byte(s) >> 6) << 4);
+        float dl = ds4_f16_to_f32((ds4_u16)(r.v[0].x & 0xffffu)) * (float)sc;
+        float ml = ds4_f16_to_f32((ds4_u16)(r.v[0].x >> 16)) * (float)mn;
+        int sh = 4 * (s % 2);
+        ds4_u32 parts[2] = {r.v[1].x, r.v[1].y};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[e] = dl * (float)((parts[e / 4] >> (8 * (e % 4) + sh)) & 0xfu) - ml;
+    } else if (WT == WT_IQ2_XXS) {  // ((d * (0.5 + s)) * 0.25 * grid) * sign
+        ds4_u32 aux1 = r.v[0].z, l = r.v[0].w;
+        float db = (ds4_f16_to_f32((ds4_u16)r.v[0].x) * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+        ds4_u32 grid = DS4_IQ2XXS_GRID[(r.v[0].y >> (8 * l)) & 0xffu];
+        ds4_u32 sg = (aux1 >> (7 * l)) & 127u;
+        sg |= (ds4_u32)(__popc(sg) & 1) << 7;  // ggml's ksigns: the eighth sign makes the parity even
+        const float mag[3] = {8.0f, 25.0f, 43.0f};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[e] = (db * mag[(grid >> (2 * e)) & 3u]) * ((sg >> e) & 1u ? -1.0f : 1.0f);
+    } else {  // MXFP4: (2^(e-128)) * (2 * E2M1 value)
+        float d = mv3_e8m0_half(r.v[0].x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[e] = d * mv3_e2m1_doubled((r.v[0].y >> (4 * e)) & 0xfu);
     }
 }
 
+// Bytes per row of K weights, and weights per block, of each encoding.
 __device__ __forceinline__ long long mv3_row_bytes(int wt, int K) {
-    return wt == WT_F32 ? (long long)K * 4 : wt == WT_Q8_0 ? (long long)(K / 32) * 34 : (long long)K * 2;
+    switch (wt) {
+        case WT_F32: return (long long)K * 4;
+        case WT_Q8_0: return (long long)(K / 32) * 34;
+        case WT_Q2_K: return (long long)(K / 256) * 84;
+        case WT_Q4_K: return (long long)(K / 256) * 144;
+        case WT_IQ2_XXS: return (long long)(K / 256) * 66;
+        case WT_MXFP4: return (long long)(K / 32) * 17;
+        default: return (long long)K * 2;
+    }
 }
 
 // Raw weight words of one group of U steps (256 columns each) for the warp's R rows,

@@ -119,6 +119,14 @@ STEP_EXPERTS3(step_experts3_bf16_r2, WT_BF16, 2, 4)
 STEP_EXPERTS3(step_experts3_bf16_r4, WT_BF16, 4, 2)
 STEP_EXPERTS3(step_experts3_q8_0_r1, WT_Q8_0, 1, 8)
 STEP_EXPERTS3(step_experts3_q8_0_r2, WT_Q8_0, 2, 4)
+STEP_EXPERTS3(step_experts3_q2_k_r1, WT_Q2_K, 1, 4)
+STEP_EXPERTS3(step_experts3_q2_k_r2, WT_Q2_K, 2, 2)
+STEP_EXPERTS3(step_experts3_q4_k_r1, WT_Q4_K, 1, 4)
+STEP_EXPERTS3(step_experts3_q4_k_r2, WT_Q4_K, 2, 2)
+STEP_EXPERTS3(step_experts3_iq2_xxs_r1, WT_IQ2_XXS, 1, 4)
+STEP_EXPERTS3(step_experts3_iq2_xxs_r2, WT_IQ2_XXS, 2, 2)
+STEP_EXPERTS3(step_experts3_mxfp4_r1, WT_MXFP4, 1, 4)
+STEP_EXPERTS3(step_experts3_mxfp4_r2, WT_MXFP4, 2, 2)
 
 // y[l] = sum_t w[l, t] * down[l, t] (t ascending = expert ids ascending) + shared[l].
 extern "C" __global__ void step_moe_combine(const float* down, const float* w, const float* shared, float* y,
