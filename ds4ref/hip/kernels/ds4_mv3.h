@@ -108,7 +108,9 @@ __device__ __forceinline__ float mv3_e8m0_half(ds4_u32 e) {
     return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
 }
 
-// The 8 weights as f32, exactly as mv_load8 widens them.
+// The 8 weights as f32, exactly as mv_load8 widens them. Rows past N are never loaded but
+// still unpacked (their sums are never written): every index taken from the raw words is
+// masked to its range, so such garbage cannot reach outside a table.
 template <int WT>
 __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
     if (WT == WT_F32) {
@@ -136,7 +138,7 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
             w[4 * t + 3] = d * (float)(ds4_i8)(p >> 24);
         }
     } else if (WT == WT_Q2_K) {  // (d * scale) * q - (dmin * min), q two bits
-        ds4_u32 sc = r.v[0].y & 0xffu, sh = r.v[0].y >> 8;
+        ds4_u32 sc = r.v[0].y & 0xffu, sh = (r.v[0].y >> 8) & 7u;
         float dl = ds4_f16_to_f32((ds4_u16)(r.v[0].x & 0xffffu)) * (float)(sc & 0xfu);
         float ml = ds4_f16_to_f32((ds4_u16)(r.v[0].x >> 16)) * (float)(sc >> 4);
         ds4_u32 parts[2] = {r.v[0].z, r.v[0].w};
@@ -144,7 +146,7 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
         for (int e = 0; e < 8; ++e) w[e] = dl * (float)((parts[e / 4] >> (8 * (e % 4) + sh)) & 3u) - ml;
     } else if (WT == WT_Q4_K) {  // (d * scale) * q - (dmin * min), 6-bit scales and mins packed in 12 bytes
         ds4_u32 sw[3] = {r.v[0].y, r.v[0].z, r.v[0].w};
-        int s = (int)r.v[1].z;
+        int s = (int)(r.v[1].z & 7u);
         auto byte = [&](int i) { return (sw[i / 4] >> (8 * (i % 4))) & 0xffu; };
         ds4_u32 sc = s < 4 ? byte(s) & 63u : (byte(s + 4) & 0xfu) | ((byte(s - 4) >> 6) << 4);
         ds4_u32 mn = s < 4 ? byte(s + 4) & 63u : (byte(s + 4) >> 4) | ((byte(s) >> 6) << 4);
@@ -155,12 +157,12 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) w[e] = dl * (float)((parts[e / 4] >> (8 * (e % 4) + sh)) & 0xfu) - ml;
     } else if (WT == WT_IQ2_XXS) {  // ((d * (0.5 + s)) * 0.25 * grid) * sign
-        ds4_u32 aux1 = r.v[0].z, l = r.v[0].w;
+        ds4_u32 aux1 = r.v[0].z, l = r.v[0].w & 3u;
         float db = (ds4_f16_to_f32((ds4_u16)r.v[0].x) * (0.5f + (float)(aux1 >> 28))) * 0.25f;
         ds4_u32 grid = DS4_IQ2XXS_GRID[(r.v[0].y >> (8 * l)) & 0xffu];
         ds4_u32 sg = (aux1 >> (7 * l)) & 127u;
         sg |= (ds4_u32)(__popc(sg) & 1) << 7;  // ggml's ksigns: the eighth sign makes the parity even
-        const float mag[3] = {8.0f, 25.0f, 43.0f};
+        const float mag[4] = {8.0f, 25.0f, 43.0f, 0.0f};
 #pragma unroll
         for (int e = 0; e < 8; ++e) w[e] = (db * mag[(grid >> (2 * e)) & 3u]) * ((sg >> e) & 1u ? -1.0f : 1.0f);
     } else {  // MXFP4: (2^(e-128)) * (2 * E2M1 value)
