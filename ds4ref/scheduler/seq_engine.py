@@ -143,7 +143,7 @@ class SeqEngine:
         self.backend.reset_slot(slot)
         self.blocks.admit(slot, len(prompt), len(prompt) + max_new - 1)
         self.seqs[slot] = Seq(request, slot, self._admitted, prompt, max_new,
-                              SlotSampler(request.sampling, prompt))
+                              SlotSampler(request.sampling, prompt, request.constraint))
         self._admitted += 1
         return Admission("admitted", slot=slot)
 

@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
 from ..scheduler.scheduler import QueueFull
-from .chat import BOS, ChatTemplateError, encode_chat, thinking_requested
+from .chat import BOS, DSML, ChatTemplateError, encode_chat, thinking_requested
 from .protocol import U64, ChatCompletionRequest, CompletionRequest
 from .runner import Runner, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
+from .structured import StructuredOutputError, structured_output
+from .tools import ToolCall, ToolCallStream
 
 log = logging.getLogger("ds4ref.serve")
 
@@ -79,6 +81,21 @@ def _param_path(loc: tuple) -> Optional[str]:
     return path or None
 
 
+def _plain_message(error: dict) -> str:
+    """pydantic's message without its own prefixes ("Value error, ...")."""
+    ctx_error = (error.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, Exception):
+        return str(ctx_error)
+    msg = str(error.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
@@ -87,7 +104,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     msgs = []
     for e in errors[:3]:
         where = _param_path(tuple(e.get("loc", ()))) or "body"
-        msgs.append(f"{where}: {e.get('msg', 'invalid')}")
+        msgs.append(f"{where}: {_plain_message(e)}")
     if any(e.get("type") == "json_invalid" for e in errors):
         return APIError(400, "the request body is not valid JSON", None, "invalid_json")
     if param is None and errors[0].get("type") in ("model_attributes_type", "dict_type", "missing"):
@@ -98,12 +115,18 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 # ---- turning a validated body into an engine Request ------------------------------------
 
-def _sampling(body: Union[CompletionRequest, ChatCompletionRequest], logprobs: Optional[int]) -> Sampling:
+def _sampling(state: "ServerState", body: Union[CompletionRequest, ChatCompletionRequest],
+              logprobs: Optional[int]) -> Sampling:
+    bias = body.bias_pairs()
+    bad = next((t for t, _ in bias if t >= state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias names token {bad}, outside the vocabulary (0..{state.vocab_size - 1})",
+                       "logit_bias", "invalid_token")
     return Sampling(
         temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
         seed=None if body.seed is None else body.seed & U64,  # negative seeds as two's complement
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+        repetition_penalty=body.repetition_penalty, logprobs=logprobs, logit_bias=bias)
 
 
 def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -114,8 +137,8 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{state.vocab_size - 1})",
                        param, "invalid_token")
     if len(ids) >= state.max_context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; the context limit is {state.max_context}",
-                       param, "context_length_exceeded")
+        raise APIError(400, f"the prompt has {plural(len(ids), 'token')}; the context limit is "
+                            f"{plural(state.max_context, 'token')}", param, "context_length_exceeded")
 
 
 def _max_new_tokens(state: ServerState, n_prompt: int, asked: Optional[int], default: Optional[int],
@@ -124,8 +147,8 @@ def _max_new_tokens(state: ServerState, n_prompt: int, asked: Optional[int], def
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
-        raise APIError(400, f"{param}={asked} plus the prompt's {n_prompt} tokens exceeds the context "
-                            f"limit of {state.max_context}", param, "context_length_exceeded")
+        raise APIError(400, f"{param}={asked} plus the prompt's {plural(n_prompt, 'token')} exceeds the context "
+                            f"limit of {plural(state.max_context, 'token')}", param, "context_length_exceeded")
     return asked
 
 
@@ -138,7 +161,7 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
         return await asyncio.to_thread(fn)
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.param, "invalid_messages") from None
-    except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+    except ValueError as e:  # TokenizerError: e.g. lone surrogates UTF-8 cannot hold
         raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
 
 
@@ -154,9 +177,14 @@ class Generation:
     """One request's life: submit, read events, turn tokens into text, cancel if abandoned."""
 
     def __init__(self, state: ServerState, request: Request, stop_strings: list[str], thinking: bool,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, skip_special: bool = True, parse_tools: bool = False,
+                 single_tool_call: bool = False) -> None:
         self.state, self.request = state, request
-        self.text = TextAssembler(state.tokenizer, stop_strings, thinking)
+        self.text = TextAssembler(state.tokenizer, stop_strings, thinking,
+                                  _skipped_tokens(state.tokenizer, skip_special, parse_tools))
+        # The DSML token stays in the text for the tool-call parser, which then drops it from content.
+        self.tools = ToolCallStream(parse_tools, (DSML,) if skip_special else (), single_tool_call)
+        self.answer = ""  # answer text sent so far (after stop strings and tool calls)
         self.want_logprobs = want_logprobs
         self.tokens: list[TokenInfo] = []
         self.finish_reason: Optional[str] = None
@@ -205,7 +233,7 @@ class Generation:
                         self.state.runner.metrics.ttft_seconds.observe(time.monotonic() - self.arrived)
                     self.completion_tokens += 1
                     info = self._token_info(ev) if self.want_logprobs else None
-                    deltas += self.text.push(ev.token)
+                    deltas += self._answer(self.text.push(ev.token))
                     if info is not None:
                         infos.append(info)
                         self.tokens.append(info)
@@ -223,9 +251,30 @@ class Generation:
                         raise APIError(500, "the request was cancelled by the server", None, "cancelled",
                                        "server_error")
                     self.finish_reason = ev.reason
-                    deltas += self.text.finish()
+                    self.completion_tokens = ev.completion_tokens  # the stop/EOS token counts too
+                    deltas += self._answer(self.text.finish(), final=True)
+                    if self.tools.calls:
+                        self.finish_reason = "tool_calls"
                     break
             yield deltas, infos
+
+    def _answer(self, deltas: list[Delta], final: bool = False) -> list[Delta]:
+        """Answer deltas through the tool-call stream (reasoning passes untouched)."""
+        out = []
+        for d in deltas:
+            text = self.tools.feed(d.text) if d.channel == CONTENT else d.text
+            if text:
+                out.append(Delta(d.channel, text))
+        if final:
+            tail = self.tools.finish()
+            if tail:
+                out.append(Delta(CONTENT, tail))
+        self.answer += "".join(d.text for d in out if d.channel == CONTENT)
+        return out
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tools.calls
 
     def _token_info(self, ev: TokenEvent) -> TokenInfo:
         tok = self.state.tokenizer
@@ -243,6 +292,15 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _skipped_tokens(tokenizer: Any, skip_special: bool, parse_tools: bool) -> frozenset:
+    """Added tokens that produce no text: all of them with skip_special_tokens, except
+    the DSML token when tool calls are parsed (the parser needs it)."""
+    if not skip_special:
+        return frozenset()
+    keep = {tokenizer.token_to_id(DSML)} if parse_tools else set()
+    return frozenset(i for i in getattr(tokenizer, "added", {}).values() if i not in keep)
 
 
 async def _until_disconnect(http: HTTPRequest) -> None:
@@ -268,7 +326,7 @@ async def collect(gen: Generation, http: HTTPRequest) -> tuple[str, str]:
             work.cancel()
             raise APIError(499, "client disconnected", None, "client_closed")
         work.result()  # re-raise APIError
-        return gen.text.reasoning, gen.text.released_answer
+        return gen.text.reasoning, gen.answer
     finally:
         watch.cancel()
         gen.close()
@@ -298,23 +356,44 @@ def sse(obj: Any) -> str:
 
 # ---- response shapes ---------------------------------------------------------------------------
 
-def _completion_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+def _token_keys(tokenizer: Any, ids: list[int]) -> dict[int, str]:
+    """A distinct text key per token id: its text when it is whole UTF-8, else its bytes
+    spelled `bytes:\\xNN...` (vLLM's convention); a text already taken by another id
+    becomes `token_id:N`."""
+    keys: dict[int, str] = {}
+    for i in ids:
+        raw = tokenizer.decode_bytes([i])
+        try:
+            key = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            key = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        keys[i] = f"token_id:{i}" if key in keys.values() else key
+    return keys
+
+
+def _completion_logprobs(infos: list[TokenInfo], tokenizer: Any) -> Optional[dict]:
     if not infos:
         return None
-    return {"tokens": [i.text for i in infos], "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{t: lp for _, t, lp in i.top} for i in infos],
+    tokens, tops = [], []
+    for i in infos:
+        keys = _token_keys(tokenizer, [i.token] + [t for t, _, _ in i.top])
+        top = {keys[t]: lp for t, _, lp in i.top}
+        top[keys[i.token]] = i.logprob  # the chosen token is always listed, with its own value
+        tokens.append(keys[i.token])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos], "top_logprobs": tops,
             "text_offset": [i.offset for i in infos]}
 
 
-def _chat_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+def _chat_logprobs(infos: list[TokenInfo], tokenizer: Any) -> Optional[dict]:
     if not infos:
         return None
 
-    def entry(text: str, lp: Optional[float]) -> dict:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+    def entry(token: int, text: str, lp: Optional[float]) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(tokenizer.decode_bytes([token]))}
 
-    return {"content": [dict(entry(i.text, i.logprob), bytes=list(i.raw),
-                             top_logprobs=[entry(t, lp) for _, t, lp in i.top]) for i in infos]}
+    return {"content": [dict(entry(i.token, i.text, i.logprob),
+                             top_logprobs=[entry(t, text, lp) for t, text, lp in i.top]) for i in infos]}
 
 
 def _error_event(e: APIError) -> str:
@@ -401,15 +480,16 @@ def create_app(state: ServerState) -> FastAPI:
         _check_prompt(state, ids, "prompt")
         req = Request(ids, _max_new_tokens(state, len(ids), body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
                                            "max_tokens"),
-                      _sampling(body, body.logprobs), stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
-        gen = Generation(state, req, body.stop_strings(), False, body.logprobs is not None)
+                      _sampling(state, body, body.logprobs), stop_ids=tuple(body.stop_ids()),
+                      ignore_eos=body.ignore_eos)
+        gen = Generation(state, req, body.stop_strings(), False, body.logprobs is not None, body.skip_special_tokens)
         await gen.start("prompt")
         head = {"id": f"cmpl-{req.req_id}", "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
             return CancellingStreamingResponse(_completion_stream(gen, head, body.include_usage), gen.close)
         _, answer = await collect(gen, http)
-        return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens),
+        return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens, state.tokenizer),
                                     "finish_reason": gen.finish_reason}], usage=gen.usage())
 
     @app.post("/v1/chat/completions")
@@ -418,25 +498,35 @@ def create_app(state: ServerState) -> FastAPI:
         thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
                                       body.thinking.model_dump() if body.thinking else None)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
-        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking), "messages", n_chars, state)
+        tools = body.tools_for_prompt()
+        try:
+            constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), e.param, "invalid_response_format") from None
+        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
+        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
+                                                  reasoning_effort=body.reasoning_effort, response_format=schema),
+                              "messages", n_chars, state)
         _check_prompt(state, ids, "messages")
         asked, which = ((body.max_completion_tokens, "max_completion_tokens")
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        req = Request(ids, _max_new_tokens(state, len(ids), asked, None, which), _sampling(body, logprobs),
-                      stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
-        gen = Generation(state, req, body.stop_strings(), thinking, body.logprobs)
+        req = Request(ids, _max_new_tokens(state, len(ids), asked, None, which), _sampling(state, body, logprobs),
+                      stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos, constraint=constraint)
+        gen = Generation(state, req, body.stop_strings(), thinking, body.logprobs, body.skip_special_tokens,
+                         parse_tools=tools is not None, single_tool_call=body.parallel_tool_calls is False)
         await gen.start("messages")
         head = {"id": f"chatcmpl-{req.req_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
             return CancellingStreamingResponse(_chat_stream(gen, head, body.include_usage), gen.close)
         reasoning, answer = await collect(gen, http)
-        message = {"role": "assistant", "content": answer}
+        message = {"role": "assistant", "content": answer if answer or not gen.tool_calls else None}
         if thinking:
             message["reasoning_content"] = reasoning
-        return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens),
+        if gen.tool_calls:
+            message["tool_calls"] = [c.openai() for c in gen.tool_calls]
+        return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens, state.tokenizer),
                                     "finish_reason": gen.finish_reason}], usage=gen.usage())
 
     return app
@@ -468,7 +558,7 @@ def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> Asyn
         async for deltas, infos in gen.events():
             text = "".join(d.text for d in deltas if d.channel == CONTENT)
             if text or infos:
-                yield chunk(text, _completion_logprobs(infos), None)
+                yield chunk(text, _completion_logprobs(infos, gen.state.tokenizer), None)
         yield chunk("", None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())
@@ -493,7 +583,9 @@ def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncItera
             if content:
                 delta["content"] = content
             if delta or infos:
-                yield chunk(delta, _chat_logprobs(infos))
+                yield chunk(delta, _chat_logprobs(infos, gen.state.tokenizer))
+        if gen.tool_calls:
+            yield chunk({"tool_calls": [c.openai(k) for k, c in enumerate(gen.tool_calls)]})
         yield chunk({}, None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())

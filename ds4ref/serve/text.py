@@ -49,8 +49,10 @@ def _held_prefix(text: str, stops: Sequence[str]) -> int:
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), thinking: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), thinking: bool = False,
+                 skip_ids: frozenset = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.skip_ids = skip_ids  # tokens that produce no text (skip_special_tokens)
         self.stops = [s for s in stop_strings if s]
         self.channel = REASONING if thinking else CONTENT
         self.think_end = tokenizer.token_to_id(THINK_END) if thinking else None
@@ -70,6 +72,8 @@ class TextAssembler:
             self.reasoning += tail
             self.channel = CONTENT
             return [Delta(REASONING, tail)] if tail else []
+        if token in self.skip_ids:
+            return []
         piece = self._utf8.decode(self.tokenizer.decode_bytes([token]))
         if self.channel == REASONING:
             self.reasoning += piece
