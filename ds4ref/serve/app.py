@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,6 +48,9 @@ class ServerState:
     max_context: int
     vocab_size: int
     banner: str = ""
+    pool_tokens: Optional[int] = None  # KV pool size: a default max_tokens is clamped to fit it
+    api_key: Optional[str] = None      # required as `Authorization: Bearer ...` on /v1/* when set
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*" for any); none = no CORS headers
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -144,6 +149,8 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
 def _max_new_tokens(state: ServerState, n_prompt: int, asked: Optional[int], default: Optional[int],
                     param: str) -> int:
     room = state.max_context - n_prompt
+    if asked is None and state.pool_tokens is not None:
+        room = max(1, min(room, state.pool_tokens - n_prompt + 1))  # a lone sequence's whole pool
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
@@ -239,7 +246,7 @@ class Generation:
                         self.tokens.append(info)
                     if self.text.stopped:
                         self.finish_reason = "stop"
-                        self.close()  # frees the slot at the next step
+                        self.close(count_as="stop")  # frees the slot at the next step
                         break
                 elif isinstance(ev, FinishEvent):
                     self._engine_done = True
@@ -282,12 +289,12 @@ class Generation:
         return TokenInfo(ev.token, tok.decode([ev.token]), ev.logprob, top, len(self.text.answer),
                          tok.decode_bytes([ev.token]))
 
-    def close(self) -> None:
+    def close(self, count_as: str = "cancelled") -> None:
         """Cancel the request unless the engine already finished it. Idempotent."""
         if self._stream is not None and not self._closed:
             self._closed = True
             if not self._engine_done:
-                self.state.runner.cancel(self.request.req_id)
+                self.state.runner.cancel(self.request.req_id, count_as)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -419,6 +426,38 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
+class CountErrors:
+    """Count every error response by HTTP status (ds4_http_errors_total), whichever layer sent it."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.http_errors.inc(str(message["status"]))
+            await send(message)
+        await self.app(scope, receive, counting_send if scope["type"] == "http" else send)
+
+
+class RequireAPIKey:
+    """`Authorization: Bearer KEY` on the API paths (/v1/...); 401 in OpenAI's shape otherwise.
+    /health and /metrics stay open for probes and scrapers."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope.get("headers", ())).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # ---- the app -------------------------------------------------------------------------------------
 
 def create_app(state: ServerState) -> FastAPI:
@@ -433,7 +472,14 @@ def create_app(state: ServerState) -> FastAPI:
             log.info("runner stopped")
 
     app = FastAPI(title="ds4ref", version="0.1.0", lifespan=lifespan)
+    # added last = outermost: errors are counted, then CORS answers preflights, then the key is checked
     app.add_middleware(BodyLimit)
+    if state.api_key:
+        app.add_middleware(RequireAPIKey, key=state.api_key)
+    if state.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(CountErrors, metrics=state.runner.metrics)
     app.state.ds4 = state
 
     @app.exception_handler(RequestValidationError)
@@ -462,10 +508,18 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(state.runner.metrics.render(state.runner.stats),
                                  media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "ds4ref",
+                "max_model_len": state.max_context}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "ds4ref", "max_model_len": state.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        _check_model(state, model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
