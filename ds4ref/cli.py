@@ -4,6 +4,11 @@ from __future__ import annotations
 import argparse
 
 
+def plural(n: int, word: str) -> str:
+    """'1 token', '2 tokens': counts in messages read right."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each option's default, unless its help already says it or there is none."""
 

@@ -33,6 +33,7 @@ import threading
 from collections import deque
 from typing import Optional
 
+from ..cli import plural
 from .request import Event, FinishEvent, Refused, Request, TokenEvent
 from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
 
@@ -88,7 +89,7 @@ class Scheduler:
             # do not count against max_queue.
             free_slots = self.engine.max_concurrency - len(self._running)
             if self.max_queue is not None and len(self._waiting) >= self.max_queue + free_slots:
-                raise QueueFull(f"{len(self._waiting)} requests already waiting "
+                raise QueueFull(f"{plural(len(self._waiting), 'request')} already waiting "
                                 f"(max_queue={self.max_queue}, {free_slots} free slots)")
             self._waiting.append(request)
         return request.req_id

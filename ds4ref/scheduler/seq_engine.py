@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..cli import plural
 from ..backend import PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
@@ -127,13 +128,13 @@ class SeqEngine:
         if bad:
             return f"prompt token {bad[0]} is outside the vocabulary of {self.config.vocab_size}"
         if n >= self.max_context:
-            return (f"the prompt has {n} tokens; the context limit is {self.max_context}, "
+            return (f"the prompt has {plural(n, 'token')}; the context limit is {self.max_context}, "
                     f"which leaves no room for output")
         cap = self.output_cap(request)
         need = self.blocks.pages_for(n + cap - 1)
         if need > self.pool.n_pages:
             # Alone it would have the whole pool; still too small, so it could only be cut short.
-            return (f"the prompt ({n} tokens) plus max_tokens ({cap}) needs {need} KV pages of "
+            return (f"the prompt ({plural(n, 'token')}) plus max_tokens ({cap}) needs {need} KV pages of "
                     f"{self.pool.page_tokens} tokens but the whole pool (kv_pool_tokens) holds "
                     f"{self.pool.n_pages}; lower max_tokens, shorten the prompt or raise --kv-pool-tokens")
         return None

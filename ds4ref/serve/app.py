@@ -23,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cli import plural
 from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
 from ..scheduler.scheduler import QueueFull
 from .chat import BOS, DSML, ChatTemplateError, encode_chat, thinking_requested
@@ -95,10 +96,6 @@ def _plain_message(error: dict) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     return msg
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

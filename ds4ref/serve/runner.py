@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..cli import plural
 from ..scheduler.request import Event, FinishEvent, Request
 from ..scheduler.scheduler import CohortFailed
 from .metrics import Metrics
@@ -257,7 +258,7 @@ class Runner:
         if stream is None:
             return  # its consumer has gone; the request was or will be cancelled
         if not stream.push(ev):
-            self._give_up(stream, f"client fell {stream.max_pending} events behind")
+            self._give_up(stream, f"client fell {plural(stream.max_pending, 'event')} behind")
 
     def _drop_stalled(self) -> None:
         if self.stall_timeout <= 0:
