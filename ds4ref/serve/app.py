@@ -167,6 +167,9 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
         raise APIError(400, str(e), e.param, "invalid_messages") from None
     except ValueError as e:  # TokenizerError: e.g. lone surrogates UTF-8 cannot hold
         raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
+    except Exception:  # anything else is ours: no library internals in the answer
+        log.exception("tokenizing a prompt failed")
+        raise APIError(400, "cannot tokenize the prompt", param, "invalid_prompt") from None
 
 
 def _check_model(state: ServerState, model: Optional[str]) -> None:
@@ -304,7 +307,7 @@ def _skipped_tokens(tokenizer: Any, skip_special: bool, parse_tools: bool) -> fr
     if not skip_special:
         return frozenset()
     keep = {tokenizer.token_to_id(DSML)} if parse_tools else set()
-    return frozenset(i for i in getattr(tokenizer, "added", {}).values() if i not in keep)
+    return frozenset(i for i in tokenizer.added.values() if i not in keep)
 
 
 async def _until_disconnect(http: HTTPRequest) -> None:
