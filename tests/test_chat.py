@@ -14,6 +14,7 @@ import importlib.util
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ds4ref.serve.chat import ChatTemplateError, render_chat, thinking_requested
 
@@ -178,3 +179,26 @@ def test_encode_chat_maps_special_strings_to_single_ids():
     assert ids[-2:] == [sid("<｜Assistant｜>"), sid("</think>")]
     user_at = ids.index(sid("<｜User｜>"))
     assert tok.decode(ids[1:user_at]) == "S" and tok.decode(ids[user_at + 1:-2]) == "hi"
+
+
+# ---- any chat, against the official encoder ------------------------------------------------------
+
+words = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="｜"), max_size=8)
+call_ids = st.sampled_from(["c1", "c2", "c3"])
+a_call = st.builds(lambda cid, city: call(cid, "get_weather", city=city), call_ids, words)
+message = st.one_of(
+    st.builds(user, words), st.builds(system, words), st.builds(tool, call_ids, words),
+    st.builds(lambda t: {"role": "developer", "content": t}, words.filter(bool)),
+    st.builds(lambda t, r, c: assistant(t, r, c or None), words, st.one_of(st.none(), words),
+              st.lists(a_call, max_size=2)))
+ending = st.one_of(st.builds(user, words), st.builds(tool, call_ids, words),
+                   st.builds(lambda t: assistant(t, prefix=True), words))
+
+
+@settings(max_examples=200)
+@given(st.lists(message, max_size=6), ending, st.booleans(), st.sampled_from([None, [WEATHER], [WEATHER, CLOCK]]),
+       st.sampled_from([None, "high", "max", "low"]))
+def test_any_chat_renders_as_the_official_encoder(official, body, last, thinking, tools, effort):
+    messages = body + [last]
+    options = {"thinking": thinking, "tools": tools, "reasoning_effort": effort}
+    assert render_chat(messages, **options) == official_prompt(official, messages, **options)
