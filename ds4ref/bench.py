@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+from .cli import HelpFormatter
 
 import httpx
 
@@ -182,6 +183,12 @@ def table(results: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
+def base_url(url: str) -> str:
+    """The server root of what a user pastes: OpenAI clients are configured with .../v1."""
+    url = url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
@@ -193,22 +200,23 @@ def parse_levels(text: str) -> list[int]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds4ref.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
+    p = argparse.ArgumentParser(prog="python -m ds4ref.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL, with or without /v1")
     p.add_argument("--concurrency", type=parse_levels, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--prompts", default="short-ragged", help="'short-ragged' or a file with one prompt per line")
     p.add_argument("--repeats", type=int, default=1, help="measured rounds per level")
     p.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up round (0 = none)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.repeats < 1:
         p.error("--max-tokens and --repeats must be >= 1")
     prompts = (short_ragged_prompts(max(args.concurrency) * (args.repeats + 1) * len(args.concurrency))
                if args.prompts == "short-ragged" else file_prompts(args.prompts))
-    url = args.url.rstrip("/")
+    url = base_url(args.url)
     try:
         results = asyncio.run(bench(url, args.concurrency, args.max_tokens, prompts, args.repeats,
                                     args.warmup_tokens, args.timeout, not args.no_progress))

@@ -22,6 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from .cli import HelpFormatter
 
 import numpy as np
 
@@ -102,7 +103,7 @@ class _Opener:
         self._handles: dict[Path, object] = {}
 
     def load(self, t: SourceTensor) -> np.ndarray:
-        from safetensors import safe_open
+        from safetensors import safe_open  # present: main() checked
 
         if self.framework == "numpy" and t.dtype == "BF16":  # pragma: no cover
             raise ConvertError(f"tensor {t.name!r} is BF16: install torch to convert BF16 checkpoints")
@@ -370,7 +371,7 @@ def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
     cfg = load_config(hf_dir)
     dtypes = stored_dtypes(cfg, dtype)
     plan = plan_tensors(cfg, scan_dir(hf_dir))
-    tensors = gguf_tensors(cfg, plan, _Opener())
+    tensors = _with_progress(gguf_tensors(cfg, plan, _Opener()))
     extra = {
         "general.file_type": _FILE_TYPE[dtype],
         "deepseek4.rope.scaling.type": "yarn",
@@ -380,13 +381,38 @@ def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
     return cfg
 
 
+HF_EXTRA_MISSING = ("python -m ds4ref.convert reads safetensors checkpoints with the 'hf' extra, which is "
+                    "not installed: pip install 'ds4ref[hf]' (safetensors; torch for BF16 checkpoints)")
+
+
+def _with_progress(tensors: dict[str, Lazy]) -> dict[str, Lazy]:
+    """The same tensors, with one tick of a progress bar as each is read for writing."""
+    from .progress import progress
+
+    bar = progress(desc="converting", total=len(tensors), unit="tensor")
+
+    def ticking(lazy: Lazy) -> Lazy:
+        def load():
+            arr = lazy._load()
+            bar.update(1)
+            return arr
+        return Lazy(lazy.shape, load)
+    return {name: ticking(t) for name, t in tensors.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Convert a DeepSeek-V4 safetensors checkpoint to a deepseek4 GGUF.")
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.convert",
+                                 description="Convert a DeepSeek-V4 safetensors checkpoint to a deepseek4 GGUF.",
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     ap.add_argument("--out", required=True, help="output .gguf path")
     ap.add_argument("--dtype", default="f32", choices=DTYPES,
                     help="stored type of matrices (1-D tensors stay f32; tid2eid is i32)")
     args = ap.parse_args(argv)
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"convert: {HF_EXTRA_MISSING}") from None
     try:
         cfg = convert(args.hf, args.out, args.dtype)
     except ConvertError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from .cli import HelpFormatter
 
 import numpy as np
 
@@ -20,15 +21,36 @@ def parse_ids(text: str) -> list[int]:
         raise SystemExit(f"--prompt-ids must be comma-separated integers, got {text!r}")
 
 
+def generate(model, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens through the engine, one progress tick per token (the same tokens as
+    model.generate: the engine's passes equal the reference's steps)."""
+    from .engine import Engine
+    from .progress import progress
+    from .scheduler.request import Request, TokenEvent
+
+    scheduler = Engine(model, max_concurrency=1).scheduler
+    scheduler.submit(Request(list(ids), n, ignore_eos=True))
+    out: list[int] = []
+    with progress(desc="generating", total=n, unit="tok") as bar:
+        while scheduler.has_work():
+            for ev in scheduler.step():
+                if isinstance(ev, TokenEvent):
+                    out.append(ev.token)
+                    bar.update(1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds4ref.generate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.generate", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", help="deepseek4 GGUF (default: the embedded tiny model)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     src.add_argument("--prompt", help="text, tokenized with the model's tokenizer (BOS prepended)")
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=32)
-    ap.add_argument("--backend", choices=BACKENDS, default="numpy")
-    ap.add_argument("--numerics", choices=("official", "plain"), default="official")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=32, help="tokens to generate")
+    ap.add_argument("--backend", choices=BACKENDS, default="numpy", help="numpy reference or the hip GPU path")
+    ap.add_argument("--numerics", choices=("official", "plain"), default="official",
+                    help="FP8/FP4 simulation on (official) or off (plain)")
     ap.add_argument("--float64", action="store_true", help="compute in float64")
     args = ap.parse_args(argv)
     try:
@@ -38,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = [model.config.bos_id] + model.tokenizer.encode(args.prompt)
         else:
             ids = parse_ids(args.prompt_ids)
-        new = model.generate(ids, args.max_new_tokens)
+        new = generate(model, ids, args.max_new_tokens)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

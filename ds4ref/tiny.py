@@ -15,6 +15,7 @@ import argparse
 import importlib.resources
 import os
 from pathlib import Path
+from .cli import HelpFormatter
 
 import numpy as np
 
@@ -164,9 +165,10 @@ def default_model_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Write a tiny random deepseek4 GGUF.")
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.tiny", description="Write a tiny random deepseek4 GGUF.",
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="output .gguf path")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of every random tensor")
     ap.add_argument("--layers", type=int, default=None, help="number of layers (Flash ratio pattern)")
     ap.add_argument("--ratios", default=None, help="comma-separated compress ratios, e.g. 0,0,4,128")
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")

@@ -1,11 +1,15 @@
 """DS4's byte-level BPE tokenizer, read from (and for the tiny model written to) GGUF.
 
 The vocabulary and merges come from `tokenizer.ggml.*`; the HuggingFace
-`tokenizers` library runs the BPE. Pre-tokenisation follows DS4C's reading of
-the `joyai-llm` rules (spec §6.2) as one regex; docs/gguf.md lists where a
-regex cannot follow the hand-written splitter exactly.
+`tokenizers` library runs the BPE and the pre-tokeniser. `tokenizer.ggml.pre`
+names the pre-tokeniser: `joyai-llm` is the name llama.cpp's converter writes
+for DeepSeek-V4 (its tokenizer hashes to that entry), and it stands for the
+official Sequence of three splits that DeepSeek's tokenizer.json declares.
 
-Special tokens are found by their strings, never by assumed ids (spec §6.1).
+Added tokens are those of GGUF type CONTROL (HF `special: true`) or
+USER_DEFINED (HF `special: false`, e.g. `<think>`, `<｜tool▁calls▁begin｜>`):
+both are matched in the text by their strings, as HF does, never by assumed ids
+(spec §6.1). docs/gguf.md says where DS4C's hand-written splitter differs.
 """
 from __future__ import annotations
 
@@ -28,13 +32,16 @@ END_THINK = "</think>"
 DSML = "｜DSML｜"
 PAD = "<｜▁pad▁｜>"
 
-# The strings DS4C splits a rendered chat on; everything else goes through BPE.
+# The chat-structure strings; in the published vocabulary they are USER_DEFINED tokens.
 SPLIT_SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK, DSML)
-# Order of the control tokens at the head of the tiny vocabulary (BOS=0, EOS=1).
+# Order of the added tokens at the head of the tiny vocabulary (BOS=0, EOS=1).
 TINY_SPECIALS = SPLIT_SPECIALS + (PAD,)
+# Which of them the published tokenizer.json marks `special: true` (GGUF CONTROL).
+CONTROL_SPECIALS = (BOS, EOS, PAD)
 
 # llama.cpp token types
-TYPE_NORMAL, TYPE_CONTROL = 1, 3
+TYPE_NORMAL, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED = 1, 3, 4, 5
+ADDED_TYPES = (TYPE_CONTROL, TYPE_USER_DEFINED)
 
 
 class TokenizerError(ValueError):
@@ -42,33 +49,31 @@ class TokenizerError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# pre-tokeniser (spec §6.2): one alternative per rule, first match wins
+# pre-tokeniser: DeepSeek-V4's tokenizer.json, as llama.cpp's `joyai-llm` entry
+# lists the same three expressions. Applied in order; each split isolates its
+# matches and hands the pieces between them to the next split.
 # ---------------------------------------------------------------------------
-_PUNCT = r"!-/:-@\[-`{-~"            # ASCII punctuation and symbols
-_LETTER = r"A-Za-z\x{80}-\x{10FFFF}"  # ASCII letters and any non-ASCII code point
-_WS = r"\t\n\x0B\f\r "                # ASCII whitespace only; other spaces count as letters
-_CJK = r"\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}"
-
-PRETOKENIZE_PATTERN = "|".join([
-    r"[0-9]{1,3}",                                              # 1 up to three digits
-    rf"[{_CJK}]+",                                              # 2 CJK / kana run
-    rf"[{_PUNCT}][A-Za-z]+",                                    # 3 punct + ASCII letters
-    rf"[{_LETTER}]+",                                           # 4 letter run
-    rf"[^\r\n{_PUNCT}{_LETTER}][{_LETTER}]+",                   # 5 one other char + letters
-    rf" [{_PUNCT}]+[\r\n]*",                                    # 6 space + punctuation
-    rf"[{_PUNCT}]+[\r\n]*",                                     # 7 punctuation run
-    rf"[{_WS}]*[\r\n]",                                         # 8a whitespace up to its last newline
-    rf"[{_WS}]+(?=[{_WS}][{_LETTER}{_PUNCT}])",                 # 8b leave the last space to the word
-    rf"[{_WS}]+",                                               # 8c the whole run
-    r"[\s\S]",                                                  # 9 any one character
+OFFICIAL_PRE = "joyai-llm"
+DIGITS = r"\p{N}{1,3}"
+CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
+MAIN = "|".join([
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+",  # ASCII punctuation + ASCII letters
+    "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+",          # one optional lead-in + a letter run
+    " ?[\\p{P}\\p{S}]+[\r\n]*",                              # punctuation/symbol run, newlines kept
+    "\\s*[\r\n]+",                                            # whitespace up to the last newline
+    "\\s+(?!\\S)",                                             # leave the last space to the word
+    "\\s+",
 ])
+PRE_SPLITS = (DIGITS, CJK, MAIN)
+
+
+def _splits() -> list:
+    return [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in PRE_SPLITS]
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(_splits() + [pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                          use_regex=False)])
 
 
 def byte_symbols() -> list[str]:
@@ -104,16 +109,24 @@ class Tokenizer:
     """Encode/decode with a GGUF `gpt2`-model vocabulary."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], bos_id: int, eos_id: int,
-                 token_types: Sequence[int] | None = None):
+                 token_types: Sequence[int] | None = None, pre: str = OFFICIAL_PRE):
+        if pre != OFFICIAL_PRE:
+            raise TokenizerError(f"tokenizer.ggml.pre is {pre!r}; ds4ref knows only {OFFICIAL_PRE!r} "
+                                 f"(DeepSeek-V4's pre-tokeniser)")
         self.tokens = list(tokens)
         self._ids = {t: i for i, t in enumerate(self.tokens)}
         if len(self._ids) != len(self.tokens):
             raise TokenizerError("tokenizer.ggml.tokens contains duplicate strings")
         self.token_types = list(token_types) if token_types is not None else [TYPE_NORMAL] * len(self.tokens)
+        if len(self.token_types) != len(self.tokens):
+            raise TokenizerError(f"tokenizer.ggml.token_type has {len(self.token_types)} entries for "
+                                 f"{len(self.tokens)} tokens")
         self.bos_id, self.eos_id = int(bos_id), int(eos_id)
-        self.special_tokens = {s: self._ids[s] for s in SPLIT_SPECIALS if s in self._ids}
+        # string -> id of every added token, and whether HF calls it special (CONTROL)
+        self.added = {t: i for i, t in enumerate(self.tokens) if self.token_types[i] in ADDED_TYPES}
+        self.special_tokens = self.added  # kept name: the strings encode() turns into single ids
         self._merges = _parse_merges(merges)
-        self._hf = _build_hf(self._ids, self._merges, self.special_tokens)
+        self._hf = _build_hf(self._ids, self._merges, self._added_tokens())
         self._hf_plain: HFTokenizer | None = None  # built on first special=False call
 
     @classmethod
@@ -128,40 +141,55 @@ class Tokenizer:
         tokens = metadata["tokenizer.ggml.tokens"]
         bos = _special_id(metadata, tokens, "tokenizer.ggml.bos_token_id", BOS)
         eos = _special_id(metadata, tokens, "tokenizer.ggml.eos_token_id", EOS)
-        return cls(tokens, metadata["tokenizer.ggml.merges"], bos, eos, metadata.get("tokenizer.ggml.token_type"))
+        return cls(tokens, metadata["tokenizer.ggml.merges"], bos, eos, metadata.get("tokenizer.ggml.token_type"),
+                   metadata.get("tokenizer.ggml.pre", OFFICIAL_PRE))
+
+    def _added_tokens(self) -> list[AddedToken]:
+        return [AddedToken(t, special=self.token_types[i] == TYPE_CONTROL, normalized=False,
+                           single_word=False, lstrip=False, rstrip=False) for t, i in self.added.items()]
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokens)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        """Token ids of `text`, no BOS added. With special=True the DS4 special strings
-        in the text become their single ids; with special=False they are plain text."""
-        if special or not self.special_tokens:
+        """Token ids of `text`, no BOS added. With special=True every added token's
+        string in the text becomes its single id (as HF does); with special=False
+        they are plain text."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"can only encode text, got {type(text).__name__}")
+        _check_encodable(text)
+        if special or not self.added:
             return self._hf.encode(text, add_special_tokens=False).ids
         if self._hf_plain is None:
-            self._hf_plain = _build_hf(self._ids, self._merges, {})
+            self._hf_plain = _build_hf(self._ids, self._merges, [])
         return self._hf_plain.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids; specials are spelled out, incomplete UTF-8 becomes U+FFFD."""
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of the ids; added tokens are spelled out (CONTROL ones dropped with
+        skip_special), incomplete UTF-8 becomes U+FFFD."""
         ids = [int(i) for i in ids]
         for i in ids:
-            if not 0 <= i < len(self.tokens):
-                raise TokenizerError(f"token id {i} out of range 0..{len(self.tokens) - 1}")
-        return self._hf.decode(ids, skip_special_tokens=False)
+            self.id_to_token(i)  # range check with our own message
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """Raw bytes of the ids (for streaming: a character may span tokens)."""
+        """Raw bytes of the ids (for streaming: a character may span tokens).
+        An added token is its own UTF-8 text; any other token maps its symbols
+        back to bytes (a token with a symbol outside the byte map is taken as
+        UTF-8 text, as HF's ByteLevel decoder does)."""
+        return b"".join(self._token_bytes(int(i)) for i in ids)
+
+    def _token_bytes(self, i: int) -> bytes:
+        tok = self.id_to_token(i)
         sym = _symbol_to_byte()
-        out = bytearray()
-        for i in ids:
-            tok = self.id_to_token(int(i))
-            if self.token_types[int(i)] == TYPE_CONTROL or tok in self.special_tokens:
-                out += tok.encode("utf-8")
-            else:
-                out += bytes(sym[c] for c in tok)
-        return bytes(out)
+        if self.token_types[i] in ADDED_TYPES or any(c not in sym for c in tok):
+            return tok.encode("utf-8")
+        return bytes(sym[c] for c in tok)
+
+    def is_added(self, i: int) -> bool:
+        """True for CONTROL and USER_DEFINED tokens (BOS, `<think>`, `｜DSML｜`, ...)."""
+        return self.token_types[int(i)] in ADDED_TYPES
 
     def token_to_id(self, token: str) -> int | None:
         return self._ids.get(token)
@@ -173,8 +201,16 @@ class Tokenizer:
 
     def pre_tokenize(self, text: str) -> list[str]:
         """The pieces BPE sees (before byte mapping), for tests and docs."""
-        split = pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated", invert=False)
-        return [p for p, _ in split.pre_tokenize_str(text)]
+        return [p for p, _ in pre_tokenizers.Sequence(_splits()).pre_tokenize_str(text)]
+
+
+def _check_encodable(text: str) -> None:
+    # The Rust side rejects lone surrogates with a message about its own types.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"the text has a character UTF-8 cannot hold ({text[e.start]!r} at "
+                             f"position {e.start}: a lone surrogate)") from None
 
 
 def _special_id(metadata: Mapping, tokens: Sequence[str], key: str, text: str) -> int:
@@ -196,15 +232,14 @@ def _parse_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _build_hf(vocab: dict[str, int], merges: list[tuple[str, str]], specials: dict[str, int]) -> HFTokenizer:
+def _build_hf(vocab: dict[str, int], merges: list[tuple[str, str]], added: list[AddedToken]) -> HFTokenizer:
     for a, b in merges:
         if a not in vocab or b not in vocab or a + b not in vocab:
             raise TokenizerError(f"merge {a!r} + {b!r} refers to a token missing from the vocabulary")
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False, single_word=False,
-                                       lstrip=False, rstrip=False) for s in specials])
+    tok.add_tokens(added)
     return tok
 
 
@@ -234,10 +269,11 @@ def build_tiny_tokenizer(vocab_size: int, corpus_text: str) -> dict:
             known.add(a + b)
     if len(tokens) < vocab_size:
         raise TokenizerError(f"the corpus yields only {len(tokens)} tokens, fewer than vocab_size {vocab_size}")
-    types = [TYPE_CONTROL] * len(TINY_SPECIALS) + [TYPE_NORMAL] * (vocab_size - len(TINY_SPECIALS))
+    types = ([TYPE_CONTROL if t in CONTROL_SPECIALS else TYPE_USER_DEFINED for t in TINY_SPECIALS]
+             + [TYPE_NORMAL] * (vocab_size - len(TINY_SPECIALS)))
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "joyai-llm",
+        "tokenizer.ggml.pre": OFFICIAL_PRE,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,

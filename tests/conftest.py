@@ -18,6 +18,20 @@ settings.register_profile("ci", parent=settings.get_profile("ds4ref"), derandomi
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "ds4ref"))
 
 
+from skips import NO_GPU
+
+
+def pytest_terminal_summary(terminalreporter):
+    reasons = [r.longrepr[2] for r in terminalreporter.stats.get("skipped", []) if isinstance(r.longrepr, tuple)]
+    if not any(NO_GPU in str(r) for r in reasons):
+        return
+    from ds4ref.hip.runtime import NoGpuError, get_runtime
+    try:
+        get_runtime()
+    except NoGpuError as e:
+        terminalreporter.write_line("GPU tests skipped: " + " | ".join(l.strip() for l in str(e).splitlines()))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The packaged ds4ref/data/ds4-tiny.gguf."""

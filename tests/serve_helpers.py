@@ -19,8 +19,8 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, state_overrides: dict | None = None, **state_kwargs) -> None:
-        self.state = build_state(**state_kwargs)
+    def __init__(self, state=None, state_overrides: dict | None = None, **state_kwargs) -> None:
+        self.state = state if state is not None else build_state(**state_kwargs)
         for name, value in (state_overrides or {}).items():  # e.g. a small body limit
             setattr(self.state, name, value)
         self.port = free_port()
@@ -57,3 +57,44 @@ class LiveServer:
                 return True
             time.sleep(0.02)
         return False
+
+
+def scripted_state(next_token, max_concurrency: int = 2, max_context: int = 1024):
+    """A server over the tiny model's tokenizer whose 'model' emits what `next_token(history)`
+    says: a forced token stream through the real scheduler, runner and HTTP layers."""
+    import numpy as np
+
+    import ds4ref
+    from ds4ref.scheduler.hash_backend import HashBackend
+    from ds4ref.scheduler.scheduler import Scheduler
+    from ds4ref.scheduler.seq_engine import SeqEngine
+    from ds4ref.serve.app import ServerState
+    from ds4ref.serve.metrics import Metrics
+    from ds4ref.serve.runner import Runner
+
+    class Scripted(HashBackend):
+        def logits_for(self, history):
+            out = np.zeros(self.vocab_size, np.float32)
+            out[next_token([int(t) for t in history])] = 100.0  # certain even at temperature 1
+            return out
+
+    model = ds4ref.load()
+    engine = SeqEngine(Scripted(model.config.vocab_size), model.config, max_concurrency=max_concurrency,
+                       max_context=max_context)
+    runner = Runner(Scheduler(engine), metrics=Metrics())
+    return ServerState(runner=runner, tokenizer=model.tokenizer, model_name="ds4-tiny", max_context=max_context,
+                       vocab_size=model.config.vocab_size)
+
+
+def after_prompt(tokenizer, script):
+    """next_token for scripted_state: `script` (token ids) after the last <｜Assistant｜> and the
+    think token that follows it, then end-of-sentence."""
+    assistant = tokenizer.token_to_id("<｜Assistant｜>")
+
+    def next_token(history):
+        if assistant not in history:  # a prompt row that emits nothing
+            return tokenizer.eos_id
+        start = len(history) - 1 - history[::-1].index(assistant) + 2
+        k = len(history) - start
+        return script[k] if k < len(script) else tokenizer.eos_id
+    return next_token

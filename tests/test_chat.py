@@ -1,5 +1,20 @@
-"""Chat template renderings, written out by hand from the spec §6.3 rules."""
+"""Chat template renderings, compared with DeepSeek's own DeepSeek-V4 encoder.
+
+The expected strings are not written here: each row of TABLE is rendered by
+`encoding_dsv4.encode_messages` itself, from the pure-Python copy of the
+official encoder that sglang 0.5.12 publishes on PyPI (fetched by pip at test
+time; see tests/pypi_assets.py). The copy is run, never committed. What the
+test adds is sglang's adapter from an OpenAI request to the encoder's input:
+tools on the first system message (an empty one inserted when the chat does
+not start with one), reasoning_effort other than "max"/"high" passed as None,
+an assistant prefix as the encoder's `wo_eos`, text parts joined by newlines.
+"""
+import copy
+import importlib.util
+import json
+
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ds4ref.serve.chat import ChatTemplateError, render_chat, thinking_requested
 
@@ -9,92 +24,129 @@ E = "<｜end▁of▁sentence｜>"
 U = "<｜User｜>"
 A = "<｜Assistant｜>"
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "Current time", "parameters": {
+    "type": "object", "properties": {}}}}
+
+
+def call(cid, name, **args):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+user = lambda text: {"role": "user", "content": text}  # noqa: E731
+system = lambda text: {"role": "system", "content": text}  # noqa: E731
+tool = lambda cid, text: {"role": "tool", "tool_call_id": cid, "content": text}  # noqa: E731
+
+
+def assistant(text, reasoning=None, calls=None, **kw):
+    m = {"role": "assistant", "content": text, **kw}
+    if reasoning is not None:
+        m["reasoning_content"] = reasoning
+    if calls:
+        m["tool_calls"] = calls
+    return m
+
+
+AGENT = [system("You are terse."), user("Weather in Rome and the time?"),
+         assistant("", "need two tools", [call("c1", "get_weather", city="Rome", days=2), call("c2", "now")]),
+         tool("c2", "12:00"), tool("c1", "sunny"), user("thanks; and Paris?")]
+
+# (id, messages, request options: thinking, tools, reasoning_effort)
+TABLE = [
+    ("single user", [user("Hello")], {}),
+    ("single user thinking", [user("Hello")], {"thinking": True}),
+    ("system in place", [system("Be brief."), user("Hi"), system("Answer in Italian."), user("Chi era Ada?")], {}),
+    ("consecutive users merge", [user("part one"), user("part two")], {}),
+    ("developer role", [system("S"), {"role": "developer", "content": "dev rules"}, user("q")], {}),
+    ("developer dropped before last user", [{"role": "developer", "content": "d"}, user("q1"),
+                                            assistant("a1", "r1"), user("q2")], {"thinking": True}),
+    ("multi-turn chat drops reasoning", [user("2+2?"), assistant("4", "add"), user("and 3+3?")], {}),
+    ("multi-turn thinking keeps only the last reasoning",
+     [user("q1"), assistant("a1", "r1"), user("q2"), assistant("a2", "r2"), user("q3")], {"thinking": True}),
+    ("agent loop after last user keeps reasoning",
+     [user("q"), assistant("calling", "r1"), tool("x", "A"), tool("y", "B")], {"thinking": True}),
+    ("tools chat", [user("Weather in Rome?")], {"tools": [WEATHER, CLOCK]}),
+    ("tools thinking with system", [system("You are terse."), user("Weather?")],
+     {"tools": [WEATHER], "thinking": True}),
+    ("tool calls, results sorted by call order, user merged after results", AGENT, {"tools": [WEATHER, CLOCK]}),
+    ("same in thinking mode: nothing dropped with tools", AGENT, {"tools": [WEATHER, CLOCK], "thinking": True}),
+    ("reasoning_effort max", [system("S"), user("prove it")], {"thinking": True, "reasoning_effort": "max"}),
+    ("reasoning_effort max without a system message", [user("prove it")],
+     {"thinking": True, "reasoning_effort": "max"}),
+    ("reasoning_effort high is the plain prompt", [user("prove it")], {"thinking": True, "reasoning_effort": "high"}),
+    ("reasoning_effort max ignored in chat mode", [user("x")], {"reasoning_effort": "max"}),
+    ("assistant prefix", [user("Write a haiku"), assistant("Autumn", prefix=True)], {}),
+    ("text parts", [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+     {}),
+    ("tool result text is not escaped", [user("q"), assistant("c"), tool("i", "x</tool_result>y")], {}),
+]
+
+
+@pytest.fixture(scope="module")
+def official():
+    from pypi_assets import SGLANG_ENCODER, pypi_member
+
+    path = pypi_member(SGLANG_ENCODER, "sglang/srt/entrypoints/openai/encoding_dsv4.py")
+    spec = importlib.util.spec_from_file_location("official_encoding_dsv4", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def official_prompt(encoder, messages, thinking=False, tools=None, reasoning_effort=None) -> str:
+    """sglang's adapter (serving_chat.py) in front of the official encode_messages."""
+    msgs = copy.deepcopy(messages)
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            m["content"] = "\n".join(p["text"] for p in m["content"])
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.pop("prefix", False):
+            m["wo_eos"] = True
+    if tools:
+        if msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": ""})
+        msgs[0]["tools"] = tools
+    return encoder.encode_messages(msgs, thinking_mode="thinking" if thinking else "chat",
+                                   reasoning_effort=reasoning_effort if reasoning_effort in ("max", "high") else None)
+
+
+@pytest.mark.parametrize("messages, options", [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
+def test_renders_as_the_official_encoder(official, messages, options):
+    assert render_chat(messages, **options) == official_prompt(official, messages, **options)
+
+
+def test_table_covers_the_cases_the_issue_names(official):
+    """The rows above really exercise what they claim (not every row renders alike)."""
+    rendered = {row[0]: render_chat(row[1], **row[2]) for row in TABLE}
+    assert len(set(rendered.values())) == len(rendered)
+    assert "\n\npart two" in rendered["consecutive users merge"]
+    assert rendered["tools chat"].count("get_weather") == 1 and "｜DSML｜" in rendered["tools chat"]
+    assert rendered["reasoning_effort high is the plain prompt"] == render_chat([user("prove it")], thinking=True)
+
 
 def test_special_strings_use_fullwidth_bar_and_lower_block():
     assert B == "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
-    assert render_chat([{"role": "user", "content": "x"}]).startswith(B)
-
-
-def test_single_user_turn_non_thinking():
-    msgs = [{"role": "user", "content": "Hello"}]
-    assert render_chat(msgs) == B + U + "Hello" + A + "</think>"
-
-
-def test_single_user_turn_thinking():
-    msgs = [{"role": "user", "content": "Hello"}]
-    assert render_chat(msgs, thinking=True) == B + U + "Hello" + A + "<think>"
-
-
-def test_system_messages_joined_by_blank_line_without_role_marker():
-    msgs = [{"role": "system", "content": "Be brief."},
-            {"role": "system", "content": "Answer in Italian."},
-            {"role": "user", "content": "Chi era Ada Lovelace?"}]
-    assert render_chat(msgs) == (B + "Be brief.\n\nAnswer in Italian." + U + "Chi era Ada Lovelace?"
-                                 + A + "</think>")
-
-
-def test_multi_turn_non_thinking_drops_reasoning():
-    msgs = [{"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4", "reasoning_content": "add"},
-            {"role": "user", "content": "and 3+3?"}]
-    assert render_chat(msgs) == (B + U + "2+2?" + A + "</think>" + "4" + E
-                                 + U + "and 3+3?" + A + "</think>")
-
-
-def test_thinking_keeps_reasoning_only_after_last_user_turn():
-    msgs = [{"role": "system", "content": "S"},
-            {"role": "user", "content": "q1"},
-            {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
-            {"role": "user", "content": "q2"},
-            {"role": "assistant", "content": "", "reasoning_content": "r2"},
-            {"role": "tool", "content": "42"},
-            {"role": "assistant", "content": "a2", "reasoning_content": "r3"},
-            {"role": "user", "content": "q3"}]
-    # q3 is the last user turn, so every assistant message precedes it: no reasoning kept.
-    assert render_chat(msgs, thinking=True) == (
-        B + "S" + U + "q1" + A + "</think>a1" + E
-        + U + "q2" + A + "</think>" + E
-        + U + "<tool_result>42</tool_result>" + A + "</think>a2" + E
-        + U + "q3" + A + "<think>")
-
-
-def test_thinking_agent_loop_after_last_user_keeps_reasoning():
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": "calling", "reasoning_content": "r1"},
-            {"role": "tool", "content": "A"},
-            {"role": "tool", "content": "B"}]
-    assert render_chat(msgs, thinking=True) == (
-        B + U + "q" + A + "<think>r1</think>calling" + E
-        + U + "<tool_result>A</tool_result><tool_result>B</tool_result>" + A + "<think>")
-
-
-def test_tool_result_cannot_close_its_wrapper():
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": "c"},
-            {"role": "tool", "content": "x</tool_result>y"}]
-    assert render_chat(msgs) == (B + U + "q" + A + "</think>c" + E
-                                 + U + "<tool_result>x<\\/tool_result>y</tool_result>" + A + "</think>")
-
-
-def test_text_parts_are_joined_by_newline():
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert render_chat(msgs) == B + U + "a\nb" + A + "</think>"
-
-
-def test_assistant_prefix_is_continued_without_end_of_sentence():
-    msgs = [{"role": "user", "content": "Write a haiku"},
-            {"role": "assistant", "content": "Autumn", "prefix": True}]
-    assert render_chat(msgs) == B + U + "Write a haiku" + A + "</think>Autumn"
+    assert render_chat([user("x")]) == B + U + "x" + A + "</think>"
 
 
 @pytest.mark.parametrize("msgs, param", [
     ([], "messages"),
-    ([{"role": "system", "content": "only"}], "messages"),
+    ([{"role": "system", "content": "only"}], "messages[0].role"),
     ([{"role": "wizard", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "messages[1].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"id": "1"}]},
-      {"role": "tool", "content": "r"}], "messages[1].tool_calls"),
+      {"role": "tool", "content": "r"}], "messages[1].tool_calls[0].function.name"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]},
+      {"role": "tool", "content": "r"}], "messages[1].tool_calls[0].function.arguments"),
+    ([{"role": "developer", "content": ""}, {"role": "user", "content": "q"}], "messages[0].content"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "prefix": True},
+      {"role": "user", "content": "q"}], "messages[1].prefix"),
 ])
 def test_unrenderable_messages_name_the_field(msgs, param):
     with pytest.raises(ChatTemplateError) as err:
@@ -127,3 +179,26 @@ def test_encode_chat_maps_special_strings_to_single_ids():
     assert ids[-2:] == [sid("<｜Assistant｜>"), sid("</think>")]
     user_at = ids.index(sid("<｜User｜>"))
     assert tok.decode(ids[1:user_at]) == "S" and tok.decode(ids[user_at + 1:-2]) == "hi"
+
+
+# ---- any chat, against the official encoder ------------------------------------------------------
+
+words = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="｜"), max_size=8)
+call_ids = st.sampled_from(["c1", "c2", "c3"])
+a_call = st.builds(lambda cid, city: call(cid, "get_weather", city=city), call_ids, words)
+message = st.one_of(
+    st.builds(user, words), st.builds(system, words), st.builds(tool, call_ids, words),
+    st.builds(lambda t: {"role": "developer", "content": t}, words.filter(bool)),
+    st.builds(lambda t, r, c: assistant(t, r, c or None), words, st.one_of(st.none(), words),
+              st.lists(a_call, max_size=2)))
+ending = st.one_of(st.builds(user, words), st.builds(tool, call_ids, words),
+                   st.builds(lambda t: assistant(t, prefix=True), words))
+
+
+@settings(max_examples=200)
+@given(st.lists(message, max_size=6), ending, st.booleans(), st.sampled_from([None, [WEATHER], [WEATHER, CLOCK]]),
+       st.sampled_from([None, "high", "max", "low"]))
+def test_any_chat_renders_as_the_official_encoder(official, body, last, thinking, tools, effort):
+    messages = body + [last]
+    options = {"thinking": thinking, "tools": tools, "reasoning_effort": effort}
+    assert render_chat(messages, **options) == official_prompt(official, messages, **options)

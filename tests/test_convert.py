@@ -218,14 +218,27 @@ def test_cli(tmp_path, model, official_ck, capsys):
         main(["--hf", str(official_ck), "--out", str(tmp_path / "n.gguf")])
 
 
+def test_cli_without_the_hf_extra_names_it(tmp_path, official_ck, monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['safetensors'] = None; from ds4ref.convert import main; "
+            f"main(['--hf', {str(official_ck)!r}, '--out', {str(tmp_path / 'm.gguf')!r}])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "pip install 'ds4ref[hf]'" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "m.gguf").exists()
+
+
 # ---- tokenizer ---------------------------------------------------------------------------------
 
 def _tokenizer_json(meta: dict, drop_last: bool = False) -> dict:
-    """A transformers tokenizer.json holding the tiny model's vocabulary (controls as added tokens)."""
+    """A transformers tokenizer.json holding the tiny model's vocabulary (CONTROL tokens as special
+    added tokens, USER_DEFINED ones as non-special added tokens, as DeepSeek's file has them)."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     n = len(tokens) - 1 if drop_last else len(tokens)
-    vocab = {t: i for i, (t, k) in enumerate(zip(tokens[:n], types[:n])) if k != 3}
-    added = [{"id": i, "content": t, "special": True} for i, (t, k) in enumerate(zip(tokens, types)) if k == 3]
+    vocab = {t: i for i, (t, k) in enumerate(zip(tokens[:n], types[:n])) if k not in (3, 4)}
+    added = [{"id": i, "content": t, "special": k == 3} for i, (t, k) in enumerate(zip(tokens, types))
+             if k in (3, 4)]
     return {"model": {"type": "BPE", "vocab": vocab, "merges": meta["tokenizer.ggml.merges"]},
             "added_tokens": added}
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as st, target
 
 from ds4ref.backend import StepResult
 from ds4ref.engine import Engine
@@ -285,13 +285,52 @@ def test_submit_and_cancel_from_another_thread():
     check_balanced(eng)
 
 
-def test_undersized_pool_ends_the_youngest_instead_of_deadlocking():
+def test_undersized_pool_preempts_the_youngest_and_both_finish_in_full():
     eng = Engine(toy_model(), 2, kv_pool_tokens=4 * 128, backend="hash")
     reqs = [Request(prompt(10, i), 400, ignore_eos=True) for i in range(2)]
     outs = eng.run(reqs)
-    assert outs[0] == reference_tokens(reqs[0].prompt_ids, 400, VOCAB)  # the elder runs to the end
-    assert eng.finishes[1].reason == "length" and "kv_pool_tokens" in eng.finishes[1].message
-    assert outs[1] == reference_tokens(reqs[1].prompt_ids, len(outs[1]), VOCAB)
+    for r, out, fin in zip(reqs, outs, eng.finishes):
+        assert out == reference_tokens(r.prompt_ids, 400, VOCAB) and fin.reason == "length"
+        assert fin.completion_tokens == 400
+    assert eng.scheduler.stats()["preemptions"] >= 1
+    check_balanced(eng)
+
+
+def test_a_request_that_cannot_fit_even_alone_is_refused_naming_the_pool():
+    eng = Engine(toy_model(), 2, kv_pool_tokens=4 * 128, backend="hash")
+    with pytest.raises(Refused, match=r"needs 5 KV pages .* holds 4; lower max_tokens"):
+        eng.scheduler.submit(Request(prompt(10), 600))
+    eng.scheduler.submit(Request(prompt(10), 500))  # 509 positions: 4 pages, fits alone
+
+
+pressure = st.tuples(
+    st.lists(st.tuples(st.integers(1, 60), st.integers(150, 450), st.one_of(st.none(), st.integers(0, 99))),
+             min_size=3, max_size=6),                                        # prompt, max_new, seed (None = greedy)
+    st.integers(2, 6),                                                       # max_concurrency
+    st.integers(4, 6),                                                       # pool pages
+    st.sampled_from([1, 4, 16]),                                             # prompt_quantum
+    st.lists(st.integers(0, 20), min_size=8, max_size=8))                    # arrival passes
+
+
+@settings(max_examples=40, deadline=None)
+@given(pressure)
+def test_tiny_pools_never_cut_a_request_short(case):
+    """Property: with pools far smaller than the work, every request still produces exactly its solo
+    output at full length (greedy or seeded sampling), and every page comes back."""
+    specs, lanes, pages, quantum, arrive = case
+    sampling = lambda seed: Sampling() if seed is None else Sampling(temperature=0.9, top_k=20, seed=seed)  # noqa
+    reqs = [Request(prompt(n, i), m, sampling(seed), ignore_eos=True)
+            for i, (n, m, seed) in enumerate(specs) if -(-(n + m - 1) // 128) <= pages]
+    if not reqs:
+        return
+    eng = Engine(toy_model(), lanes, kv_pool_tokens=pages * 128, prompt_quantum=quantum, backend="hash",
+                 page_order_seed=pages)
+    outs = eng.run(reqs, arrivals={i: arrive[i] for i in range(len(reqs))})
+    target(eng.scheduler.stats()["preemptions"])  # steer the search towards heavy preemption
+    for r, out, fin in zip(reqs, outs, eng.finishes):
+        solo = Engine(toy_model(), 1, backend="hash").generate(r.prompt_ids, r.max_new_tokens,
+                                                              sampling=r.sampling, ignore_eos=True)
+        assert out == solo and len(out) == r.max_new_tokens and fin.reason == "length"
     check_balanced(eng)
 
 

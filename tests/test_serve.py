@@ -141,15 +141,15 @@ def test_stop_string_trims_output_and_frees_the_slot(server):
 def test_stop_token_id_ends_generation_without_emitting_it(server):
     tok = server.state.tokenizer
     r = post(server, "/v1/completions", dict(GREEDY, prompt="Stop id", max_tokens=24, logprobs=0)).json()
-    pieces = r["choices"][0]["logprobs"]["tokens"]
+    pieces, offsets = r["choices"][0]["logprobs"]["tokens"], r["choices"][0]["logprobs"]["text_offset"]
     # a later token whose text is plain ASCII, maps back to exactly one id, and has not appeared before
     k, stop_id = next((k, tok.encode(p)[0]) for k, p in enumerate(pieces)
                       if k >= 2 and p.isascii() and p.isprintable() and len(tok.encode(p)) == 1
                       and p not in pieces[:k])
     out = post(server, "/v1/completions", dict(GREEDY, prompt="Stop id", max_tokens=24, stop=[stop_id])).json()
     assert out["choices"][0]["finish_reason"] == "stop"
-    assert out["choices"][0]["text"] == "".join(pieces[:k])
-    assert out["usage"]["completion_tokens"] == k
+    assert out["choices"][0]["text"] == r["choices"][0]["text"][:offsets[k]]
+    assert out["usage"]["completion_tokens"] == k + 1  # the stop token is counted, as vLLM does
 
 
 # ---- concurrency -----------------------------------------------------------------------------
@@ -514,3 +514,30 @@ def test_bench_percentile_is_nearest_rank():
     values = [float(i) for i in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
     assert percentile([], 50) is None
+
+
+# ---- page pressure ----------------------------------------------------------------------------
+
+def test_page_pressure_preempts_instead_of_truncating():
+    """The issue's case, scaled down: a 512-token pool (4 pages), three concurrent requests of
+    300 tokens (3 pages each; two are admitted on 2 pages each and then both need a third). Every one comes back whole and equal to its solo run; a request
+    that cannot fit even alone is refused naming the pool."""
+    with LiveServer(max_concurrency=4, kv_pool_tokens=512, max_context=1024) as s:
+        prompts = [f"Pressure {i}: once upon a time" for i in range(3)]
+        solo = [completion_text(s, p, 300) for p in prompts]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(stream_completion(c, s.url, p, 300) for p in prompts))
+
+        results = asyncio.run(main())
+        assert [text for text, _ in results] == solo and all(f == "length" for _, f in results)
+        assert s.runner.scheduler.stats()["preemptions"] >= 1
+        r = post(s, "/v1/completions", dict(GREEDY, prompt="too long", max_tokens=600))
+        assert r.status_code == 400 and "kv_pool_tokens" in r.json()["error"]["message"]
+        default = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "temperature": 0, "ignore_eos": True, "max_tokens": None})
+        assert default.status_code == 200  # an unset max_tokens is clamped to what the pool holds
+        assert s.wait_idle(10)
+        stats = s.runner.scheduler.stats()
+        assert stats["pages_used"] == stats["pages_reserved"] == 0

@@ -15,7 +15,9 @@ from serve_helpers import LiveServer
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logprobs", "top_logprobs", "n", "ignore_eos", "stream", "stream_options",
-          "chat_template_kwargs", "reasoning_effort", "thinking", "echo", "best_of", "suffix", "tools", "user"]
+          "chat_template_kwargs", "reasoning_effort", "thinking", "echo", "best_of", "suffix", "tools", "user",
+          "tool_choice", "parallel_tool_calls", "logit_bias", "response_format", "skip_special_tokens", "audio",
+          "modalities", "store", "service_tier", "metadata"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),

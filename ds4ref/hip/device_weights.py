@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..progress import progress
+
 from ..tensors import is_int_tensor, tensor_shapes
 from .guards import check_weight_types
 from .ops import DeviceWeight, f32_to_bf16_bits
@@ -83,7 +85,8 @@ class DeviceWeights:
         stored = _stored_types(weights)
         if stored:
             check_weight_types(stored)
-        for name, shape in tensor_shapes(weights.config).items():
+        shapes = tensor_shapes(weights.config)
+        for name, shape in progress(shapes.items(), "uploading weights", len(shapes), "tensor"):
             if is_int_tensor(name) or is_vector(name, shape):
                 self._put_vec(name, weights.get(name))
                 continue

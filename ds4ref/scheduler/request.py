@@ -23,6 +23,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None  # number of top logprobs to report per token (0 = only the chosen token)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before anything else
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +38,9 @@ class Request:
     stop_ids: Sequence[int] = ()
     ignore_eos: bool = False
     req_id: int = field(default_factory=lambda: next(_ids))
+    # Optional token constraint (e.g. a JSON-schema matcher): .allowed() -> bool mask over the
+    # vocabulary or None (anything), .accept(token) after each choice. See serve/structured.py.
+    constraint: Optional[object] = None
 
 
 @dataclass(frozen=True)

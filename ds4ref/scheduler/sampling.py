@@ -3,6 +3,9 @@
 Order of operations on one row's logits (float64 copy, the model's logits are
 never modified):
 
+  0. logit_bias (OpenAI) is added, then a constraint's mask (structured output)
+     sets every token it does not allow to -inf; both come first, as in
+     llama.cpp's sampler chain and vLLM;
   1. repetition penalty (llama.cpp): every token seen in prompt + generated has
      its logit divided by the penalty if positive, multiplied if negative;
   2. presence / frequency penalties (OpenAI): logit -= presence * [count > 0]
@@ -42,9 +45,9 @@ def has_penalties(s: Sampling) -> bool:
     return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
 
 
-def needs_logits(s: Sampling) -> bool:
+def needs_logits(s: Sampling, constrained: bool = False) -> bool:
     """False when the backend's argmax alone decides the token."""
-    return not s.greedy or has_penalties(s) or s.logprobs is not None
+    return not s.greedy or has_penalties(s) or s.logprobs is not None or bool(s.logit_bias) or constrained
 
 
 # ---- pure helpers (each one a direct statement of its definition) -------------
@@ -148,10 +151,17 @@ def logprob_report(logits: np.ndarray, token: int, n: int) -> tuple[float, list[
 
 # ---- the per-slot sampler --------------------------------------------------------
 
+def apply_bias(x: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    for t, b in bias:
+        x[t] += b
+    return x
+
+
 class SlotSampler:
-    def __init__(self, sampling: Sampling, prompt_ids: Sequence[int]):
+    def __init__(self, sampling: Sampling, prompt_ids: Sequence[int], constraint=None):
         self.sampling = sampling
-        self.needs_logits = needs_logits(sampling)
+        self.constraint = constraint
+        self.needs_logits = needs_logits(sampling, constraint is not None)
         # Negative seeds are legal in the OpenAI API; numpy wants them non-negative.
         seed = None if sampling.seed is None else sampling.seed % (1 << 64)
         self.rng = np.random.default_rng(seed)
@@ -164,17 +174,27 @@ class SlotSampler:
         s = self.sampling
         if self.needs_logits and logits is None:
             raise ValueError("this request samples from logits but the row returned none")
-        if s.greedy and not has_penalties(s):
+        if not self.needs_logits or (s.greedy and not has_penalties(s) and not s.logit_bias
+                                     and self.constraint is None):
             token = int(argmax)
         else:
             x = np.array(logits, np.float64)
+            apply_bias(x, s.logit_bias)
+            self._mask(x)
             if s.repetition_penalty != 1.0:
                 repetition_penalty(x, self.prompt + self.generated, s.repetition_penalty)
             presence_frequency(x, self.counts, s.presence_penalty, s.frequency_penalty)
             token = int(np.argmax(x)) if s.greedy else draw(filtered_probs(x, s), self.rng)
         self.generated.append(token)
         self.counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if s.logprobs is None:
             return Choice(token)
         lp, top = logprob_report(logits, token, s.logprobs)
         return Choice(token, lp, top)
+
+    def _mask(self, x: np.ndarray) -> None:
+        allowed = None if self.constraint is None else self.constraint.allowed()
+        if allowed is not None:
+            x[~allowed] = -np.inf

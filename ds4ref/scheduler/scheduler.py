@@ -3,7 +3,14 @@
 One call to step() is one gathered pass:
 
   1. apply cancellations (free the slot and its pages, report "cancelled");
-  2. admit waiting requests strictly FIFO until the first that does not fit;
+  2. admit waiting requests strictly FIFO until the first that does not fit
+     (preempted sequences wait at the head, oldest first);
+  2b. make room: while the oldest decoder that cannot get its next page has a
+     younger live sequence, preempt the youngest (free its slot and pages and
+     requeue it; on readmission it recomputes prompt + generated tokens, which
+     is exact because prefill equals decode bitwise). A request therefore ends
+     only at max_tokens, a stop, EOS or the context limit, never because the
+     pool ran dry; one that could not fit even alone is refused at submit;
   3. plan rows: one row for every decoding slot that can get its next page,
      oldest first, then the free rows dealt to prompts, oldest first from a
      start that rotates every pass, at most `prompt_quantum` rows each;
@@ -26,6 +33,7 @@ import threading
 from collections import deque
 from typing import Optional
 
+from ..cli import plural
 from .request import Event, FinishEvent, Refused, Request, TokenEvent
 from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
 
@@ -63,6 +71,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._cancel: set[int] = set()
         self._running: dict[int, int] = {}  # req_id -> slot
+        self._resume: dict[int, Seq] = {}   # req_id -> preempted sequence waiting to come back
+        self._preemptions = 0
         self._rotation = 0
         self._tokens_generated = 0
         self._steps = 0
@@ -79,7 +89,7 @@ class Scheduler:
             # do not count against max_queue.
             free_slots = self.engine.max_concurrency - len(self._running)
             if self.max_queue is not None and len(self._waiting) >= self.max_queue + free_slots:
-                raise QueueFull(f"{len(self._waiting)} requests already waiting "
+                raise QueueFull(f"{plural(len(self._waiting), 'request')} already waiting "
                                 f"(max_queue={self.max_queue}, {free_slots} free slots)")
             self._waiting.append(request)
         return request.req_id
@@ -99,7 +109,8 @@ class Scheduler:
     def stats(self) -> dict:
         with self._lock:
             s = {"running": len(self._running), "waiting": len(self._waiting),
-                 "tokens_generated": self._tokens_generated, "steps": self._steps}
+                 "tokens_generated": self._tokens_generated, "steps": self._steps,
+                 "preemptions": self._preemptions}
         s.update(self.engine.stats())
         return s
 
@@ -108,6 +119,7 @@ class Scheduler:
         with self._step_lock:
             with self._lock:
                 events = self._apply_cancels() + self._admit()
+                self._make_room()
             work = self._plan()
             if not work:
                 return events + self._break_stall()
@@ -125,7 +137,9 @@ class Scheduler:
         events: list[Event] = []
         for r in [r for r in self._waiting if r.req_id in self._cancel]:
             self._waiting.remove(r)
-            events.append(FinishEvent(r.req_id, "cancelled", len(r.prompt_ids), 0))
+            parked = self._resume.pop(r.req_id, None)
+            events.append(FinishEvent(r.req_id, "cancelled", len(r.prompt_ids),
+                                      0 if parked is None else len(parked.generated)))
         for req_id in [i for i in self._running if i in self._cancel]:
             events.append(self._finish(self.engine.seqs[self._running[req_id]], "cancelled"))
         self._cancel.clear()
@@ -135,15 +149,42 @@ class Scheduler:
         events: list[Event] = []
         while self._waiting:
             r = self._waiting[0]
-            a = self.engine.admit(r)
+            a = self.engine.admit(r, resume=self._resume.get(r.req_id))
             if a.status == "busy":
                 break  # strict FIFO: nobody overtakes the head of the queue
             self._waiting.popleft()
+            self._resume.pop(r.req_id, None)
             if a.status == "admitted":
                 self._running[r.req_id] = a.slot
             else:  # fixed sizes checked at submit, so only a changed engine gets here
                 events.append(FinishEvent(r.req_id, "error", len(r.prompt_ids), 0, a.reason))
         return events
+
+    def _make_room(self) -> None:
+        """Preempt the youngest sequences while an older decoder cannot get its next page."""
+        while True:
+            live = self.engine.live()
+            budget, starved = self.engine.free_pages, None
+            for s in live:
+                if s.prompting:
+                    continue
+                cost = self.engine.free_page_cost(s.slot, 1)
+                if cost > budget:
+                    starved = s
+                    break
+                budget -= cost
+            if starved is None or live[-1] is starved:
+                return
+            self._preempt(live[-1])
+
+    def _preempt(self, s: Seq) -> None:
+        seq = self.engine.preempt(s.slot)
+        self._running.pop(s.request.req_id, None)
+        self._resume[s.request.req_id] = seq
+        self._waiting.appendleft(s.request)  # later preemptions are older: they end up first
+        self._preemptions += 1
+        log.info("request %d preempted after %d tokens (KV pool of %d pages is full); it will be recomputed",
+                 s.request.req_id, len(seq.generated), self.engine.pool.n_pages)
 
     def _plan(self) -> list[Work]:
         live = self.engine.live()
@@ -194,19 +235,18 @@ class Scheduler:
     def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
         self.engine.retire(s.slot)
         self._running.pop(s.request.req_id, None)
-        return FinishEvent(s.request.req_id, reason, len(s.prompt), len(s.generated), message)
+        return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message)
 
     def _break_stall(self) -> list[Event]:
-        """Nothing could run: every live sequence waits for a page nobody will free.
-        End the youngest so the older ones can go on (only with an undersized pool)."""
+        """Nothing could run although _make_room had its turn: a bookkeeping bug, never
+        an undersized pool (refusal and preemption cover that). Fail loudly, not silently."""
         live = self.engine.live()
         if not live:
             return []
         with self._lock:
-            msg = (f"KV page pool exhausted ({self.engine.pool.n_pages} pages); "
-                   f"raise kv_pool_tokens to let sequences grow this long")
-            log.warning("request %d: %s", live[-1].request.req_id, msg)
-            return [self._finish(live[-1], "length", msg)]
+            msg = f"internal error: no sequence can run ({self.engine.stats()})"
+            log.error("request %d: %s", live[-1].request.req_id, msg)
+            return [self._finish(live[-1], "error", msg)]
 
     def _fail(self, work: list[Work], err: Exception) -> list[Event]:
         log.error("pass failed, finishing its %d requests: %s", len(work), err)
@@ -222,5 +262,5 @@ class Scheduler:
                 except Exception:
                     log.exception("slot %d: reset after a failed pass also failed", s.slot)
                 self._running.pop(s.request.req_id, None)
-                events.append(FinishEvent(s.request.req_id, "error", len(s.prompt), len(s.generated), msg))
+                events.append(FinishEvent(s.request.req_id, "error", s.prompt_len, len(s.generated), msg))
         return events

@@ -9,6 +9,11 @@ Per slot, a sequence walks through positions 0, 1, 2, ...: first the prompt
 tokens, then each generated token is fed back at the next position. The row
 that feeds the last prompt token, and every decode row, produces the next
 token; earlier prompt rows only fill the KV state.
+
+preempt(slot) gives a sequence's slot and pages back but keeps its sampler (the
+tokens, random stream and constraint state so far); admitting it again with
+`resume=` recomputes prompt + generated tokens as one longer prompt, which is
+exact because a prefill row equals the decode row it replaces bitwise.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..cli import plural
 from ..backend import PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
@@ -58,6 +64,11 @@ class Seq:
     max_new: int             # output cap, already clamped to the context
     sampler: SlotSampler
     fed: int = 0             # positions already run through the backend
+    prompt_len: int = -1     # the request's own prompt (self.prompt also holds recomputed tokens)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
 
     @property
     def generated(self) -> list[int]:
@@ -74,7 +85,7 @@ class Seq:
     @property
     def lifetime(self) -> int:
         """Positions this sequence can ever feed (its last token is never fed back)."""
-        return len(self.prompt) + self.max_new - 1
+        return self.prompt_len + self.max_new - 1
 
     def tokens(self, rows: int) -> list[int]:
         if self.prompting:
@@ -117,35 +128,49 @@ class SeqEngine:
         if bad:
             return f"prompt token {bad[0]} is outside the vocabulary of {self.config.vocab_size}"
         if n >= self.max_context:
-            return (f"the prompt has {n} tokens; the context limit is {self.max_context}, "
+            return (f"the prompt has {plural(n, 'token')}; the context limit is {self.max_context}, "
                     f"which leaves no room for output")
-        if not self.blocks.fits_idle_pool(n, n + self.output_cap(request) - 1):
-            need = self.blocks.first_reservation(n, n + self.output_cap(request) - 1)
-            return (f"the prompt needs {need} pages of {self.pool.page_tokens} tokens (prompt plus one "
-                    f"page) but the whole pool has {self.pool.n_pages}; raise kv_pool_tokens "
-                    f"or shorten the prompt")
+        cap = self.output_cap(request)
+        need = self.blocks.pages_for(n + cap - 1)
+        if need > self.pool.n_pages:
+            # Alone it would have the whole pool; still too small, so it could only be cut short.
+            return (f"the prompt ({plural(n, 'token')}) plus max_tokens ({cap}) needs {need} KV pages of "
+                    f"{self.pool.page_tokens} tokens but the whole pool (kv_pool_tokens) holds "
+                    f"{self.pool.n_pages}; lower max_tokens, shorten the prompt or raise --kv-pool-tokens")
         return None
 
     def output_cap(self, request: Request) -> int:
         return max(0, min(request.max_new_tokens, self.max_context - len(request.prompt_ids)))
 
-    def admit(self, request: Request) -> Admission:
+    def admit(self, request: Request, resume: Optional[Seq] = None) -> Admission:
+        """Give request a slot, or (resume=) give a preempted sequence one back."""
         reason = self.refusal(request)
         if reason:
             return Admission("refused", reason=reason)
         if len(self.seqs) >= self.max_concurrency:
             return Admission("busy", reason="every slot is live")
-        prompt = [int(t) for t in request.prompt_ids]
-        max_new = self.output_cap(request)
-        if not self.blocks.can_admit(len(prompt), len(prompt) + max_new - 1):
+        if resume is None:
+            prompt = [int(t) for t in request.prompt_ids]
+            seq = Seq(request, -1, self._admitted, prompt, self.output_cap(request),
+                      SlotSampler(request.sampling, prompt, request.constraint))
+        else:  # recompute everything it had: its prompt and the tokens it generated
+            seq = Seq(request, -1, resume.order, resume.prompt[:resume.prompt_len] + resume.generated,
+                      resume.max_new, resume.sampler, prompt_len=resume.prompt_len)
+        if not self.blocks.can_admit(len(seq.prompt), seq.lifetime):
             return Admission("busy", reason="not enough free pages")
-        slot = min(set(range(self.max_concurrency)) - set(self.seqs))
-        self.backend.reset_slot(slot)
-        self.blocks.admit(slot, len(prompt), len(prompt) + max_new - 1)
-        self.seqs[slot] = Seq(request, slot, self._admitted, prompt, max_new,
-                              SlotSampler(request.sampling, prompt))
-        self._admitted += 1
-        return Admission("admitted", slot=slot)
+        if resume is None:
+            self._admitted += 1
+        seq.slot = min(set(range(self.max_concurrency)) - set(self.seqs))
+        self.backend.reset_slot(seq.slot)
+        self.blocks.admit(seq.slot, len(seq.prompt), seq.lifetime)
+        self.seqs[seq.slot] = seq
+        return Admission("admitted", slot=seq.slot)
+
+    def preempt(self, slot: int) -> Seq:
+        """Free slot and its pages; the returned Seq can be admitted again with resume=."""
+        seq = self.seqs[slot]
+        self.retire(slot)
+        return seq
 
     def retire(self, slot: int) -> None:
         if slot not in self.seqs:

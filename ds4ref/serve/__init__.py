@@ -15,7 +15,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 kv_pool_tokens: Optional[int] = None, max_context: Optional[int] = None,
                 max_queue: Optional[int] = None, served_model_name: Optional[str] = None,
                 max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: int = 1,
-                numerics: str = "official"):
+                numerics: str = "official", api_key: Optional[str] = None,
+                allowed_origins: tuple[str, ...] = ()):
     """A ServerState with a stopped Runner (the app's lifespan starts it)."""
     import ds4ref
     from ..scheduler.scheduler import Scheduler
@@ -43,7 +44,9 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
-                        vocab_size=model.config.vocab_size)
+                        vocab_size=model.config.vocab_size,
+                        pool_tokens=engine.pool.n_pages * engine.pool.page_tokens, api_key=api_key or None,
+                        allowed_origins=tuple(allowed_origins))
     describe = getattr(engine.backend, "describe", None)
     state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "

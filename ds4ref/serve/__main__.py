@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
+import socket
 import sys
+from ..cli import HelpFormatter
 
 from . import MAX_LANES
 
@@ -33,16 +37,19 @@ def non_negative(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds4ref.serve", description="Serve a DS4 model over an "
-                                "OpenAI-compatible HTTP API.")
+                                "OpenAI-compatible HTTP API.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
-    p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
+    p.add_argument("--backend", choices=("numpy", "hip"), default="numpy",
+                   help="numpy: the exact reference; hip: the GPU fast path")
     p.add_argument("--numerics", choices=("official", "plain"), default="official",
                    help="FP8/FP4 simulation on (official) or off (plain)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 for remote clients)")
+    p.add_argument("--port", type=int, default=8000, help="listen port")
     p.add_argument("--max-concurrency", type=lanes, default=16, help=f"decode lanes, 1..{MAX_LANES}")
     p.add_argument("--kv-pool-tokens", type=positive, default=None,
-                   help="size of the shared KV page pool in tokens (needs --max-concurrency > 1)")
+                   help="size of the shared KV page pool in tokens (needs --max-concurrency > 1; "
+                        "default: every lane can reach the full context)")
     p.add_argument("--max-context", type=positive, default=None,
                    help="per-request context limit, prompt plus output (default: the model's)")
     p.add_argument("--max-queue", type=non_negative, default=None,
@@ -56,24 +63,47 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client may leave output unread before its request is cancelled (0 = never)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let open requests finish after SIGTERM/SIGINT")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="server log level")
+    p.add_argument("--api-key", default=os.environ.get("DS4REF_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DS4REF_API_KEY, else open)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated CORS origins allowed to call the API from a browser ('*' = any; "
+                        "default: none)")
     return p
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, made before anything is printed: a busy port is one error line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise OSError(f"address {host}:{port} {why}") from None
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from . import build_state, create_app
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     try:
+        sock = bind(args.host, args.port)
         state = build_state(args.model, args.backend, args.max_concurrency, args.kv_pool_tokens,
                             args.max_context, args.max_queue, args.served_model_name,
-                            args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics)
-    except Exception as e:  # a bad flag combination, a missing GPU, an unreadable file
+                            args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
+                            api_key=args.api_key, allowed_origins=origins)
+    except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
     print(f"{state.banner}; listening on http://{args.host}:{args.port}", flush=True)
     from .shutdown import serve
-    serve(create_app(state), state.runner, args.host, args.port, args.log_level, args.shutdown_timeout)
+    serve(create_app(state), state.runner, sock, args.log_level, args.shutdown_timeout)
     return 0
 
 

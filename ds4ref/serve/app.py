@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -18,15 +19,19 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..cli import plural
 from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
 from ..scheduler.scheduler import QueueFull
-from .chat import BOS, ChatTemplateError, encode_chat, thinking_requested
+from .chat import BOS, DSML, ChatTemplateError, encode_chat, thinking_requested
 from .protocol import U64, ChatCompletionRequest, CompletionRequest
 from .runner import Runner, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
+from .structured import StructuredOutputError, structured_output
+from .tools import ToolCall, ToolCallStream
 
 log = logging.getLogger("ds4ref.serve")
 
@@ -48,6 +53,9 @@ class ServerState:
     banner: str = ""
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
+    pool_tokens: Optional[int] = None  # KV pool size: a default max_tokens is clamped to fit it
+    api_key: Optional[str] = None      # required as `Authorization: Bearer ...` on /v1/* when set
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*" for any); none = no CORS headers
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -83,6 +91,17 @@ def _param_path(loc: tuple) -> Optional[str]:
     return path or None
 
 
+def _plain_message(error: dict) -> str:
+    """pydantic's message without its own prefixes ("Value error, ...")."""
+    ctx_error = (error.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, Exception):
+        return str(ctx_error)
+    msg = str(error.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
@@ -91,7 +110,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     msgs = []
     for e in errors[:3]:
         where = _param_path(tuple(e.get("loc", ()))) or "body"
-        msgs.append(f"{where}: {e.get('msg', 'invalid')}")
+        msgs.append(f"{where}: {_plain_message(e)}")
     if any(e.get("type") == "json_invalid" for e in errors):
         return APIError(400, "the request body is not valid JSON", None, "invalid_json")
     if param is None and errors[0].get("type") in ("model_attributes_type", "dict_type", "missing"):
@@ -102,12 +121,18 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 # ---- turning a validated body into an engine Request ------------------------------------
 
-def _sampling(body: Union[CompletionRequest, ChatCompletionRequest], logprobs: Optional[int]) -> Sampling:
+def _sampling(state: "ServerState", body: Union[CompletionRequest, ChatCompletionRequest],
+              logprobs: Optional[int]) -> Sampling:
+    bias = body.bias_pairs()
+    bad = next((t for t, _ in bias if t >= state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias names token {bad}, outside the vocabulary (0..{state.vocab_size - 1})",
+                       "logit_bias", "invalid_token")
     return Sampling(
         temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
         seed=None if body.seed is None else body.seed & U64,  # negative seeds as two's complement
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+        repetition_penalty=body.repetition_penalty, logprobs=logprobs, logit_bias=bias)
 
 
 def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -118,18 +143,20 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{state.vocab_size - 1})",
                        param, "invalid_token")
     if len(ids) >= state.max_context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; the context limit is {state.max_context}",
-                       param, "context_length_exceeded")
+        raise APIError(400, f"the prompt has {plural(len(ids), 'token')}; the context limit is "
+                            f"{plural(state.max_context, 'token')}", param, "context_length_exceeded")
 
 
 def _max_new_tokens(state: ServerState, n_prompt: int, asked: Optional[int], default: Optional[int],
                     param: str) -> int:
     room = state.max_context - n_prompt
+    if asked is None and state.pool_tokens is not None:
+        room = max(1, min(room, state.pool_tokens - n_prompt + 1))  # a lone sequence's whole pool
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
-        raise APIError(400, f"{param}={asked} plus the prompt's {n_prompt} tokens exceeds the context "
-                            f"limit of {state.max_context}", param, "context_length_exceeded")
+        raise APIError(400, f"{param}={asked} plus the prompt's {plural(n_prompt, 'token')} exceeds the context "
+                            f"limit of {plural(state.max_context, 'token')}", param, "context_length_exceeded")
     return asked
 
 
@@ -142,8 +169,11 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
         return await asyncio.to_thread(fn)
     except ChatTemplateError as e:
         raise APIError(400, str(e), e.param, "invalid_messages") from None
-    except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+    except ValueError as e:  # TokenizerError: e.g. lone surrogates UTF-8 cannot hold
         raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
+    except Exception:  # anything else is ours: no library internals in the answer
+        log.exception("tokenizing a prompt failed")
+        raise APIError(400, "cannot tokenize the prompt", param, "invalid_prompt") from None
 
 
 def _check_model(state: ServerState, model: Optional[str]) -> None:
@@ -158,9 +188,14 @@ class Generation:
     """One request's life: submit, read events, turn tokens into text, cancel if abandoned."""
 
     def __init__(self, state: ServerState, request: Request, stop_strings: list[str], thinking: bool,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, skip_special: bool = True, parse_tools: bool = False,
+                 single_tool_call: bool = False) -> None:
         self.state, self.request = state, request
-        self.text = TextAssembler(state.tokenizer, stop_strings, thinking)
+        self.text = TextAssembler(state.tokenizer, stop_strings, thinking,
+                                  _skipped_tokens(state.tokenizer, skip_special, parse_tools))
+        # The DSML token stays in the text for the tool-call parser, which then drops it from content.
+        self.tools = ToolCallStream(parse_tools, (DSML,) if skip_special else (), single_tool_call)
+        self.answer = ""  # answer text sent so far (after stop strings and tool calls)
         self.want_logprobs = want_logprobs
         self.tokens: list[TokenInfo] = []
         self.finish_reason: Optional[str] = None
@@ -209,13 +244,13 @@ class Generation:
                         self.state.runner.metrics.ttft_seconds.observe(time.monotonic() - self.arrived)
                     self.completion_tokens += 1
                     info = self._token_info(ev) if self.want_logprobs else None
-                    deltas += self.text.push(ev.token)
+                    deltas += self._answer(self.text.push(ev.token))
                     if info is not None:
                         infos.append(info)
                         self.tokens.append(info)
                     if self.text.stopped:
                         self.finish_reason = "stop"
-                        self.close()  # frees the slot at the next step
+                        self.close(count_as="stop")  # frees the slot at the next step
                         break
                 elif isinstance(ev, FinishEvent):
                     self._engine_done = True
@@ -227,12 +262,33 @@ class Generation:
                         raise APIError(500, "the request was cancelled by the server", None, "cancelled",
                                        "server_error")
                     self.finish_reason = ev.reason
-                    deltas += self.text.finish()
+                    self.completion_tokens = ev.completion_tokens  # the stop/EOS token counts too
+                    deltas += self._answer(self.text.finish(), final=True)
+                    if self.tools.calls:
+                        self.finish_reason = "tool_calls"
                     break
             yield deltas, infos
             # next_events returns at once while events are queued: without this a
             # request that never waits would keep the loop (and /health) from running
             await asyncio.sleep(0)
+
+    def _answer(self, deltas: list[Delta], final: bool = False) -> list[Delta]:
+        """Answer deltas through the tool-call stream (reasoning passes untouched)."""
+        out = []
+        for d in deltas:
+            text = self.tools.feed(d.text) if d.channel == CONTENT else d.text
+            if text:
+                out.append(Delta(d.channel, text))
+        if final:
+            tail = self.tools.finish()
+            if tail:
+                out.append(Delta(CONTENT, tail))
+        self.answer += "".join(d.text for d in out if d.channel == CONTENT)
+        return out
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tools.calls
 
     def _token_info(self, ev: TokenEvent) -> TokenInfo:
         tok = self.state.tokenizer
@@ -240,16 +296,25 @@ class Generation:
         return TokenInfo(ev.token, tok.decode([ev.token]), ev.logprob, top, len(self.text.answer),
                          tok.decode_bytes([ev.token]))
 
-    def close(self) -> None:
+    def close(self, count_as: str = "cancelled") -> None:
         """Cancel the request unless the engine already finished it. Idempotent."""
         if self._stream is not None and not self._closed:
             self._closed = True
             if not self._engine_done:
-                self.state.runner.cancel(self.request.req_id)
+                self.state.runner.cancel(self.request.req_id, count_as)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _skipped_tokens(tokenizer: Any, skip_special: bool, parse_tools: bool) -> frozenset:
+    """Added tokens that produce no text: all of them with skip_special_tokens, except
+    the DSML token when tool calls are parsed (the parser needs it)."""
+    if not skip_special:
+        return frozenset()
+    keep = {tokenizer.token_to_id(DSML)} if parse_tools else set()
+    return frozenset(i for i in tokenizer.added.values() if i not in keep)
 
 
 async def _until_disconnect(http: HTTPRequest) -> None:
@@ -275,7 +340,7 @@ async def collect(gen: Generation, http: HTTPRequest) -> tuple[str, str]:
             work.cancel()
             raise APIError(499, "client disconnected", None, "client_closed")
         work.result()  # re-raise APIError
-        return gen.text.reasoning, gen.text.released_answer
+        return gen.text.reasoning, gen.answer
     finally:
         watch.cancel()
         gen.close()
@@ -305,23 +370,44 @@ def sse(obj: Any) -> str:
 
 # ---- response shapes ---------------------------------------------------------------------------
 
-def _completion_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+def _token_keys(tokenizer: Any, ids: list[int]) -> dict[int, str]:
+    """A distinct text key per token id: its text when it is whole UTF-8, else its bytes
+    spelled `bytes:\\xNN...` (vLLM's convention); a text already taken by another id
+    becomes `token_id:N`."""
+    keys: dict[int, str] = {}
+    for i in ids:
+        raw = tokenizer.decode_bytes([i])
+        try:
+            key = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            key = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        keys[i] = f"token_id:{i}" if key in keys.values() else key
+    return keys
+
+
+def _completion_logprobs(infos: list[TokenInfo], tokenizer: Any) -> Optional[dict]:
     if not infos:
         return None
-    return {"tokens": [i.text for i in infos], "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{t: lp for _, t, lp in i.top} for i in infos],
+    tokens, tops = [], []
+    for i in infos:
+        keys = _token_keys(tokenizer, [i.token] + [t for t, _, _ in i.top])
+        top = {keys[t]: lp for t, _, lp in i.top}
+        top[keys[i.token]] = i.logprob  # the chosen token is always listed, with its own value
+        tokens.append(keys[i.token])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos], "top_logprobs": tops,
             "text_offset": [i.offset for i in infos]}
 
 
-def _chat_logprobs(infos: list[TokenInfo]) -> Optional[dict]:
+def _chat_logprobs(infos: list[TokenInfo], tokenizer: Any) -> Optional[dict]:
     if not infos:
         return None
 
-    def entry(text: str, lp: Optional[float]) -> dict:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+    def entry(token: int, text: str, lp: Optional[float]) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(tokenizer.decode_bytes([token]))}
 
-    return {"content": [dict(entry(i.text, i.logprob), bytes=list(i.raw),
-                             top_logprobs=[entry(t, lp) for _, t, lp in i.top]) for i in infos]}
+    return {"content": [dict(entry(i.token, i.text, i.logprob),
+                             top_logprobs=[entry(t, text, lp) for t, text, lp in i.top]) for i in infos]}
 
 
 def _error_event(e: APIError) -> str:
@@ -423,6 +509,38 @@ def _replay(body: bytes, receive):
     return replay
 
 
+class CountErrors:
+    """Count every error response by HTTP status (ds4_http_errors_total), whichever layer sent it."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.http_errors.inc(str(message["status"]))
+            await send(message)
+        await self.app(scope, receive, counting_send if scope["type"] == "http" else send)
+
+
+class RequireAPIKey:
+    """`Authorization: Bearer KEY` on the API paths (/v1/...); 401 in OpenAI's shape otherwise.
+    /health and /metrics stay open for probes and scrapers."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope.get("headers", ())).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # ---- the app -------------------------------------------------------------------------------------
 
 def create_app(state: ServerState) -> FastAPI:
@@ -437,7 +555,14 @@ def create_app(state: ServerState) -> FastAPI:
             log.info("runner stopped")
 
     app = FastAPI(title="ds4ref", version="0.1.0", lifespan=lifespan)
+    # added last = outermost: errors are counted, then CORS answers preflights, then the key is checked
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes, timeout_s=state.body_timeout_s)
+    if state.api_key:
+        app.add_middleware(RequireAPIKey, key=state.api_key)
+    if state.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(CountErrors, metrics=state.runner.metrics)
     app.state.ds4 = state
 
     @app.exception_handler(RequestValidationError)
@@ -471,10 +596,18 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(state.runner.metrics.render(state.runner.stats),
                                  media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "ds4ref",
+                "max_model_len": state.max_context}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "ds4ref", "max_model_len": state.max_context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        _check_model(state, model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -489,15 +622,16 @@ def create_app(state: ServerState) -> FastAPI:
         _check_prompt(state, ids, "prompt")
         req = Request(ids, _max_new_tokens(state, len(ids), body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
                                            "max_tokens"),
-                      _sampling(body, body.logprobs), stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
-        gen = Generation(state, req, body.stop_strings(), False, body.logprobs is not None)
+                      _sampling(state, body, body.logprobs), stop_ids=tuple(body.stop_ids()),
+                      ignore_eos=body.ignore_eos)
+        gen = Generation(state, req, body.stop_strings(), False, body.logprobs is not None, body.skip_special_tokens)
         await gen.start("prompt")
         head = {"id": f"cmpl-{req.req_id}", "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
             return CancellingStreamingResponse(_completion_stream(gen, head, body.include_usage), gen.close)
         _, answer = await collect(gen, http)
-        return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens),
+        return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens, state.tokenizer),
                                     "finish_reason": gen.finish_reason}], usage=gen.usage())
 
     @app.post("/v1/chat/completions")
@@ -506,25 +640,35 @@ def create_app(state: ServerState) -> FastAPI:
         thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
                                       body.thinking.model_dump() if body.thinking else None)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
-        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking), "messages", n_chars, state)
+        tools = body.tools_for_prompt()
+        try:
+            constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), e.param, "invalid_response_format") from None
+        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
+        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
+                                                  reasoning_effort=body.reasoning_effort, response_format=schema),
+                              "messages", n_chars, state)
         _check_prompt(state, ids, "messages")
         asked, which = ((body.max_completion_tokens, "max_completion_tokens")
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        req = Request(ids, _max_new_tokens(state, len(ids), asked, None, which), _sampling(body, logprobs),
-                      stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos)
-        gen = Generation(state, req, body.stop_strings(), thinking, body.logprobs)
+        req = Request(ids, _max_new_tokens(state, len(ids), asked, None, which), _sampling(state, body, logprobs),
+                      stop_ids=tuple(body.stop_ids()), ignore_eos=body.ignore_eos, constraint=constraint)
+        gen = Generation(state, req, body.stop_strings(), thinking, body.logprobs, body.skip_special_tokens,
+                         parse_tools=tools is not None, single_tool_call=body.parallel_tool_calls is False)
         await gen.start("messages")
         head = {"id": f"chatcmpl-{req.req_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
             return CancellingStreamingResponse(_chat_stream(gen, head, body.include_usage), gen.close)
         reasoning, answer = await collect(gen, http)
-        message = {"role": "assistant", "content": answer}
+        message = {"role": "assistant", "content": answer if answer or not gen.tool_calls else None}
         if thinking:
             message["reasoning_content"] = reasoning
-        return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens),
+        if gen.tool_calls:
+            message["tool_calls"] = [c.openai() for c in gen.tool_calls]
+        return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens, state.tokenizer),
                                     "finish_reason": gen.finish_reason}], usage=gen.usage())
 
     return app
@@ -559,7 +703,7 @@ def _completion_stream(gen: Generation, head: dict, include_usage: bool) -> Asyn
         async for deltas, infos in gen.events():
             text = "".join(d.text for d in deltas if d.channel == CONTENT)
             if text or infos:
-                yield chunk(text, _completion_logprobs(infos), None)
+                yield chunk(text, _completion_logprobs(infos, gen.state.tokenizer), None)
         yield chunk("", None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())
@@ -584,7 +728,9 @@ def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncItera
             if content:
                 delta["content"] = content
             if delta or infos:
-                yield chunk(delta, _chat_logprobs(infos))
+                yield chunk(delta, _chat_logprobs(infos, gen.state.tokenizer))
+        if gen.tool_calls:
+            yield chunk({"tool_calls": [c.openai(k) for k, c in enumerate(gen.tool_calls)]})
         yield chunk({}, None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())

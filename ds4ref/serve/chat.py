@@ -1,28 +1,36 @@
-"""DS4 chat template: OpenAI-style messages -> prompt text -> token ids (spec §6.3).
+"""DS4 chat template: OpenAI-style messages -> prompt text -> token ids.
 
-The rendering follows DS4C's multi-turn server rules:
+Renders chats as DeepSeek's own DeepSeek-V4 encoder (`encoding_dsv4.py`,
+shipped with the model and copied by vLLM and sglang) does; the tests compare
+against that encoder run from a published package. Its rules:
 
-    BOS + system block + turns + generation prompt
+* the prompt is BOS, then each message in order; there are no role markers
+  for system messages, which are rendered where they stand;
+* tool results become `<tool_result>...</tool_result>` blocks of a user turn,
+  and consecutive user turns (and tool results) merge into one
+  `<｜User｜>` turn, their parts joined by a blank line; the results are put
+  in the order of the calls of the assistant message before them;
+* a `developer` message is a user turn (`<｜User｜>` + its text);
+* after a user/developer turn that an assistant message (or the generation)
+  follows: `<｜Assistant｜>` then `<think>` (thinking) or `</think>`;
+* assistant: [reasoning + `</think>`] + text + [DSML tool calls] + EOS. In
+  thinking mode earlier turns lose their reasoning and their `developer`
+  messages: only what follows the last user turn keeps `reasoning + </think>`
+  and gets `<think>` after its user turn. With tools present nothing is
+  dropped and every user turn opens `<think>`;
+* tools are described (DSML instructions + JSON schemas) in the first system
+  message, inserted empty if the chat has none first (sglang's adapter);
+* `reasoning_effort: "max"` in thinking mode puts a fixed instruction before
+  everything else.
 
-* system block: every system (or developer) message's text, joined by a blank
-  line, with no role marker; it may be empty.
-* user: `<｜User｜>` + text.
-* tool results: one `<｜User｜>` per run of consecutive tool messages, each
-  result wrapped in `<tool_result>` ... `</tool_result>`.
-* assistant: when it answers a user/tool turn, `<｜Assistant｜>` first, then the
-  thinking part: `<think>` + reasoning + `</think>` in thinking mode for
-  messages after the last user turn, otherwise just `</think>`. Then the text
-  and `<｜end▁of▁sentence｜>`.
-* generation prompt after a user/tool turn: `<｜Assistant｜>` + `<think>`
-  (thinking) or `</think>` (non-thinking).
-
-Special-token strings are turned into ids by the tokenizer, exactly as DS4C
-does by splitting the rendered text on them; a message that contains such a
-string therefore injects that token (DS4C behaves the same way).
+Special-token strings in the text are turned into ids by the tokenizer, as in
+every DeepSeek server: a message containing `<｜User｜>` injects that token.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
@@ -32,15 +40,50 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "\uff5cDSML\uff5c"
 
-TOOL_RESULT_OPEN = "<tool_result>"
-TOOL_RESULT_CLOSE = "</tool_result>"
-# A result must not be able to close its own wrapper early; DS4C escapes only
-# this sentinel. Our escape (a backslash before the slash) is our own choice.
-TOOL_RESULT_CLOSE_ESCAPED = "<\\/tool_result>"
+TOOL_CALLS_BLOCK = "tool_calls"
+TOOL_RESULT_OPEN, TOOL_RESULT_CLOSE = "<tool_result>", "</tool_result>"
 
-SYSTEM_ROLES = ("system", "developer")
+SYSTEM_ROLES = ("system",)
+USER_ROLES = ("user", "developer")
 TOOL_ROLES = ("tool", "function")
-ROLES = SYSTEM_ROLES + TOOL_ROLES + ("user", "assistant")
+ROLES = SYSTEM_ROLES + USER_ROLES + TOOL_ROLES + ("assistant",)
+
+# The exact text the model was trained to read (DeepSeek-V4's encoder); a paraphrase would
+# change the prompt, so these are data, not prose.
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+    "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+    "scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+TOOLS_PROMPT = """## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{D}tool_calls>" block like the following:
+
+<{D}tool_calls>
+<{D}invoke name="$TOOL_NAME">
+<{D}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{D}parameter>
+...
+</{D}invoke>
+<{D}invoke name="$TOOL_NAME2">
+...
+</{D}invoke>
+</{D}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
+
+Otherwise, output directly after </think> with tool calls or final response.
+
+### Available Tool Schemas
+
+{SCHEMAS}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
+RESPONSE_FORMAT_PROMPT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 
 class ChatTemplateError(ValueError):
@@ -51,11 +94,15 @@ class ChatTemplateError(ValueError):
         self.param = param
 
 
-def message_text(content: Any, param: str) -> str:
-    """The text of a message's content: a string, None, or a list of text parts.
+def to_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
-    Text parts are joined with a newline (the usual OpenAI-server convention).
-    """
+
+# ---- reading OpenAI messages ------------------------------------------------------------
+
+def message_text(content: Any, param: str) -> str:
+    """The text of a message's content: a string, None, or a list of text parts
+    (joined with a newline, as vLLM and sglang flatten them for this encoder)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -78,20 +125,19 @@ def _field(msg: Any, name: str) -> Any:
     return getattr(msg, name, None)
 
 
-def _check_roles(messages: Sequence[Any]) -> None:
-    if not messages:
-        raise ChatTemplateError("messages must contain at least one message", "messages")
-    for i, m in enumerate(messages):
-        role = _field(m, "role")
-        if role not in ROLES:
-            raise ChatTemplateError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}",
-                                    f"messages[{i}].role")
-        if role == "assistant" and _field(m, "tool_calls"):
-            raise ChatTemplateError("assistant tool_calls are not supported by this server",
-                                    f"messages[{i}].tool_calls")
-        if role == "assistant" and _field(m, "prefix") and i != len(messages) - 1:
-            raise ChatTemplateError("only the last message may be an assistant prefix",
-                                    f"messages[{i}].prefix")
+@dataclass
+class Turn:
+    """One message as the encoder sees it (after tool results are merged into user turns)."""
+    role: str
+    text: str = ""
+    reasoning: str = ""
+    calls: list[tuple[str, dict]] = field(default_factory=list)   # (name, arguments object)
+    call_ids: list[str] = field(default_factory=list)
+    blocks: list[tuple[str, str]] = field(default_factory=list)   # user: ("text" | "tool", text)
+    result_ids: list[str] = field(default_factory=list)           # tool_call_id per "tool" block
+    prefix: bool = False
+    tools: Optional[list] = None
+    response_format: Any = None
 
 
 def _reasoning(msg: Any) -> str:
@@ -102,56 +148,172 @@ def _reasoning(msg: Any) -> str:
     return r if isinstance(r, str) else ""
 
 
-def render_chat(messages: Sequence[Any], thinking: bool = False) -> str:
-    """Render messages to DS4 prompt text (special tokens as their strings).
+def _tool_calls(calls: Any, param: str) -> tuple[list[tuple[str, dict]], list[str]]:
+    out, ids = [], []
+    for i, c in enumerate(calls or []):
+        fn = _field(c, "function")
+        name, args = _field(fn, "name"), _field(fn, "arguments")
+        if not isinstance(name, str) or not name:
+            raise ChatTemplateError("a tool call needs function.name", f"{param}[{i}].function.name")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ChatTemplateError("function.arguments must be a JSON object (as a string)",
+                                    f"{param}[{i}].function.arguments")
+        out.append((name, parsed))
+        ids.append(_field(c, "id") or "")
+    return out, ids
 
-    The last non-system message must be a user or tool turn (a generation
-    prompt follows), or an assistant message marked `prefix: true`, whose text
-    the model then continues (no end-of-sentence after it).
-    """
-    _check_roles(messages)
-    system = [message_text(_field(m, "content"), f"messages[{i}].content")
-              for i, m in enumerate(messages) if _field(m, "role") in SYSTEM_ROLES]
-    turns = [(i, m) for i, m in enumerate(messages) if _field(m, "role") not in SYSTEM_ROLES]
-    if not turns:
-        raise ChatTemplateError("messages must contain a user message, not only system messages", "messages")
-    last_user = max((i for i, m in turns if _field(m, "role") == "user"), default=-1)
 
-    out = [BOS, "\n\n".join(system)]
-    prev = None  # role of the previous non-system turn
-    for i, m in turns:
-        role = _field(m, "role")
-        text = message_text(_field(m, "content"), f"messages[{i}].content")
-        if role == "user":
-            out += [USER, text]
-        elif role in TOOL_ROLES:
-            if prev not in TOOL_ROLES:
-                out.append(USER)
-            out += [TOOL_RESULT_OPEN, text.replace(TOOL_RESULT_CLOSE, TOOL_RESULT_CLOSE_ESCAPED), TOOL_RESULT_CLOSE]
-        else:  # assistant
-            if prev == "user" or prev in TOOL_ROLES:
-                out.append(ASSISTANT)
-                if thinking and i > last_user:
-                    out += [THINK_START, _reasoning(m), THINK_END]
-                else:
-                    out.append(THINK_END)
-            out.append(text)
-            if not _field(m, "prefix"):
-                out.append(EOS)
-        prev = role
+def read_messages(messages: Sequence[Any]) -> list[Turn]:
+    """Check roles and fields and turn OpenAI messages into Turns, tool messages merged."""
+    if not messages:
+        raise ChatTemplateError("messages must contain at least one message", "messages")
+    turns: list[Turn] = []
+    for i, m in enumerate(messages):
+        role, where = _field(m, "role"), f"messages[{i}]"
+        if role not in ROLES:
+            raise ChatTemplateError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", f"{where}.role")
+        text = message_text(_field(m, "content"), f"{where}.content")
+        if _field(m, "prefix") and (role != "assistant" or i != len(messages) - 1):
+            raise ChatTemplateError("only the last message may be an assistant prefix", f"{where}.prefix")
+        if role in TOOL_ROLES or role == "user":
+            _merge_user(turns, "tool" if role in TOOL_ROLES else "text", text, _field(m, "tool_call_id") or "")
+        elif role == "developer":
+            if not text:  # the encoder asserts this
+                raise ChatTemplateError("a developer message needs non-empty content", f"{where}.content")
+            turns.append(Turn("developer", text))
+        elif role == "assistant":
+            calls, ids = _tool_calls(_field(m, "tool_calls"), f"{where}.tool_calls")
+            turns.append(Turn("assistant", text, _reasoning(m), calls, ids, prefix=bool(_field(m, "prefix"))))
+        else:
+            turns.append(Turn("system", text))
+    return turns
 
-    if prev == "user" or prev in TOOL_ROLES:
-        out += [ASSISTANT, THINK_START if thinking else THINK_END]
-    elif not _field(turns[-1][1], "prefix"):
-        raise ChatTemplateError("the last message must be a user or tool message "
-                                "(or an assistant message with prefix: true to continue it)",
-                                f"messages[{turns[-1][0]}].role")
+
+def _merge_user(turns: list[Turn], kind: str, text: str, call_id: str) -> None:
+    if not (turns and turns[-1].role == "user"):
+        turns.append(Turn("user"))
+    turns[-1].blocks.append((kind, text))
+    if kind == "tool":
+        turns[-1].result_ids.append(call_id)
+
+
+def _order_results(turns: list[Turn]) -> None:
+    """Tool results in the order of the calls that asked for them (unknown ids count as first)."""
+    order: dict[str, int] = {}
+    for t in turns:
+        if t.role == "assistant" and t.calls:
+            order = {cid: k for k, cid in enumerate(t.call_ids) if cid}
+        elif t.role == "user" and len(t.result_ids) > 1 and order:
+            tools = sorted(zip(t.result_ids, (b for b in t.blocks if b[0] == "tool")),
+                           key=lambda rb: order.get(rb[0], 0))
+            it = iter(tools)
+            t.blocks = [next(it)[1] if b[0] == "tool" else b for b in t.blocks]
+            t.result_ids = [r for r, _ in tools]
+
+
+# ---- rendering ----------------------------------------------------------------------------
+
+def render_tools(tools: Sequence[Mapping]) -> str:
+    schemas = "\n".join(to_json(t["function"]) for t in tools)
+    return TOOLS_PROMPT.replace("{D}", DSML).replace("{SCHEMAS}", schemas)
+
+
+def _extras(t: Turn) -> str:
+    out = ""
+    if t.tools:
+        out += "\n\n" + render_tools(t.tools)
+    if t.response_format:
+        out += "\n\n" + RESPONSE_FORMAT_PROMPT + to_json(t.response_format)
+    return out
+
+
+def render_tool_calls(calls: Sequence[tuple[str, Mapping]]) -> str:
+    """The DSML block the model writes for these calls (string values verbatim, others as JSON)."""
+    invokes = []
+    for name, args in calls:
+        params = "\n".join(f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+                           f'{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>' for k, v in args.items())
+        invokes.append(f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>')
+    return f"\n\n<{DSML}{TOOL_CALLS_BLOCK}>\n" + "\n".join(invokes) + f"\n</{DSML}{TOOL_CALLS_BLOCK}>"
+
+
+def _last_user(turns: Sequence[Turn]) -> int:
+    return max((i for i, t in enumerate(turns) if t.role in USER_ROLES), default=-1)
+
+
+def _drop_earlier_thinking(turns: list[Turn]) -> list[Turn]:
+    """Before the last user turn: assistants lose their reasoning, developer messages go."""
+    last = _last_user(turns)
+    out = []
+    for i, t in enumerate(turns):
+        if i >= last or t.role in ("user", "system"):
+            out.append(t)
+        elif t.role == "assistant":
+            out.append(Turn(**{**t.__dict__, "reasoning": ""}))
+    return out
+
+
+def _render_turn(t: Turn, thinking: bool, keep_reasoning: bool) -> str:
+    if t.role == "system":
+        return t.text + _extras(t)
+    if t.role == "developer":
+        return USER + t.text + _extras(t)
+    if t.role == "user":
+        return USER + "\n\n".join(f"{TOOL_RESULT_OPEN}{x}{TOOL_RESULT_CLOSE}" if kind == "tool" else x
+                                  for kind, x in t.blocks)
+    reasoning = t.reasoning + THINK_END if thinking and keep_reasoning else ""
+    calls = render_tool_calls(t.calls) if t.calls else ""
+    return reasoning + t.text + calls + ("" if t.prefix else EOS)
+
+
+def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[str] = None) -> str:
+    drop = not any(t.tools for t in turns)  # with tools, earlier reasoning is kept
+    if thinking and drop:
+        turns = _drop_earlier_thinking(turns)
+    last_user = _last_user(turns)
+    out = [BOS]
+    if thinking and reasoning_effort == "max":
+        out.append(REASONING_EFFORT_MAX)
+    for i, t in enumerate(turns):
+        out.append(_render_turn(t, thinking, keep_reasoning=not drop or i > last_user))
+        followed_by_answer = i + 1 == len(turns) or turns[i + 1].role == "assistant"
+        if t.role in USER_ROLES and followed_by_answer:
+            opens = thinking and (not drop or i >= last_user)
+            out += [ASSISTANT, THINK_START if opens else THINK_END]
     return "".join(out)
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Any], thinking: bool = False) -> list[int]:
+def render_chat(messages: Sequence[Any], thinking: bool = False, tools: Optional[Sequence[Mapping]] = None,
+                reasoning_effort: Optional[str] = None, response_format: Any = None) -> str:
+    """Render messages to DS4 prompt text (special tokens as their strings).
+
+    The last message must be a user, developer or tool turn (a generation
+    prompt follows), or an assistant message marked `prefix: true`, whose text
+    the model then continues (no end-of-sentence after it). `tools` are
+    OpenAI tool definitions ({"type": "function", "function": {...}});
+    `response_format` a JSON schema the system prompt asks the answer to follow.
+    """
+    turns = read_messages(messages)
+    _order_results(turns)
+    if tools or response_format:
+        if turns[0].role != "system":
+            turns.insert(0, Turn("system"))
+        turns[0].tools, turns[0].response_format = (list(tools) if tools else None), response_format
+    last = turns[-1]
+    if last.role == "system" or (last.role == "assistant" and not last.prefix):
+        raise ChatTemplateError("the last message must be a user or tool message "
+                                "(or an assistant message with prefix: true to continue it)",
+                                f"messages[{len(messages) - 1}].role")
+    return render_turns(turns, thinking, reasoning_effort)
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Any], thinking: bool = False, **kw) -> list[int]:
     """Render and tokenise; the tokenizer maps special-token strings to their ids."""
-    return list(tokenizer.encode(render_chat(messages, thinking)))
+    return list(tokenizer.encode(render_chat(messages, thinking, **kw)))
 
 
 # ---- the per-request thinking switch ------------------------------------------
@@ -179,4 +341,3 @@ def thinking_requested(chat_template_kwargs: Mapping[str, Any] | None,
     if reasoning_effort is not None:
         return reasoning_effort in REASONING_EFFORTS_ON
     return False
-

@@ -79,6 +79,12 @@ GAUGES = {
 }
 
 
+# scheduler stats key -> (counter name, help): running totals the scheduler keeps itself
+STAT_COUNTERS = {
+    "preemptions": ("preemptions_total", "Sequences preempted because the KV pool was full (recomputed later)."),
+}
+
+
 class Metrics:
     def __init__(self) -> None:
         p = PREFIX
@@ -89,6 +95,7 @@ class Metrics:
         self.slow_client_cancels = Counter(f"{p}_slow_client_cancels_total",
                                            "Requests cancelled because the client stopped reading.")
         self.step_failures = Counter(f"{p}_step_failures_total", "Scheduler steps that raised.")
+        self.http_errors = Counter(f"{p}_http_errors_total", "Error responses by HTTP status.", "status")
         self.step_seconds = Histogram(f"{p}_step_seconds", "Wall time of one scheduler step.", STEP_BUCKETS)
         self.ttft_seconds = Histogram(f"{p}_time_to_first_token_seconds",
                                       "From request arrival to its first token.", TTFT_BUCKETS)
@@ -99,7 +106,12 @@ class Metrics:
             if key in stats:
                 full = f"{PREFIX}_{name}"
                 lines += [f"# HELP {full} {help}", f"# TYPE {full} gauge", f"{full} {_fmt(stats[key])}"]
+        for key, (name, help) in STAT_COUNTERS.items():
+            if key in stats:
+                full = f"{PREFIX}_{name}"
+                lines += [f"# HELP {full} {help}", f"# TYPE {full} counter", f"{full} {_fmt(stats[key])}"]
         for m in (self.tokens_generated, self.prompt_tokens, self.requests, self.finished,
-                  self.slow_client_cancels, self.step_failures, self.step_seconds, self.ttft_seconds):
+                  self.slow_client_cancels, self.step_failures, self.http_errors, self.step_seconds,
+                  self.ttft_seconds):
             lines += m.render()
         return "\n".join(lines) + "\n"

@@ -2,8 +2,9 @@
 
 Types are strict (a JSON string is never coerced to a number, a float never to
 an int) and NaN/Infinity are refused, so every malformed field is reported as a
-400 naming that field. Unknown fields are ignored, as most OpenAI-compatible
-servers do. Checks that need the model (token ids in range, context length)
+400 naming that field. Every field of OpenAI's API is declared: those ds4ref
+cannot honour are refused with a 400 naming them (never silently ignored);
+fields no API defines are ignored, as most OpenAI-compatible servers do. Checks that need the model (token ids in range, context length)
 happen in app.py once the prompt is tokenised.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 MAX_STOP = 16          # OpenAI allows 4 stop strings; DeepSeek's API 16
 MAX_STOP_CHARS = 4096  # all stop strings together; matching is linear, this bounds its memory
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_TOP_LOGPROBS = 20  # what the OpenAI API allows
 U64 = (1 << 64) - 1
 
@@ -49,6 +51,19 @@ class _SamplingFields(_Strict):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
+    logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_ids(cls, bias: Optional[dict]) -> Optional[dict]:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids written as decimal strings, got {key!r}")
+        return bias
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
 
     @field_validator("n")
     @classmethod
@@ -153,6 +168,43 @@ class ThinkingOption(_Strict):
     type: Literal["enabled", "disabled"]
 
 
+class FunctionDef(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedTool(_Strict):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class JSONSchemaFormat(_Strict):
+    name: StrictStr = "response"
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    description: Optional[StrictStr] = None
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
+# OpenAI fields ds4ref cannot honour; present with another value than these, they are refused.
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": (None,), "prediction": (None,), "web_search_options": (None,), "functions": (None,),
+    "function_call": (None,), "modalities": (None, ["text"]), "store": (None, False),
+    "verbosity": (None,), "service_tier": (None, "auto", "default"),
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(min_length=1)
@@ -162,7 +214,49 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "max"]] = None
     thinking: Optional[ThinkingOption] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedTool]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    response_format: Optional[ResponseFormat] = None
+    # accepted, no effect on generation: they label or route requests elsewhere
+    metadata: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+    # known OpenAI fields that are refused unless absent (UNSUPPORTED_CHAT_FIELDS)
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    modalities: Optional[Any] = None
+    store: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    service_tier: Optional[Any] = None
+
+    @field_validator(*UNSUPPORTED_CHAT_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = UNSUPPORTED_CHAT_FIELDS[info.field_name]
+        if value not in allowed:
+            extra = f" (only {', '.join(repr(a) for a in allowed if a is not None)})" if len(allowed) > 1 else ""
+            raise ValueError(f"{info.field_name} is not supported by this server{extra}")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any) -> Any:
+        if choice == "required" or isinstance(choice, NamedTool):
+            raise ValueError("only 'auto' and 'none' are supported: DeepSeek-V4's chat format has no way "
+                             "to force a tool call")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _schema_given(cls, fmt: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or
+                                                              fmt.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return fmt
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -172,12 +266,11 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"chat_template_kwargs.{key} must be a boolean")
         return kw
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: Optional[list]) -> Optional[list]:
-        if tools:
-            raise ValueError("tools (function calling) are not supported by this server")
-        return tools
+    def tools_for_prompt(self) -> Optional[list[dict]]:
+        """Tool definitions to render, none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("top_logprobs")
     @classmethod

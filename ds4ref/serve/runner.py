@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..cli import plural
 from ..scheduler.request import Event, FinishEvent, Request
 from ..scheduler.scheduler import CohortFailed
 from .metrics import Metrics
@@ -117,6 +118,7 @@ class Runner:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.stats: dict = {}
+        self._finish_as: dict[int, str] = {}  # req_id -> reason to count its "cancelled" finish as
         self.error: Optional[str] = None  # set if the runner thread died
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -171,9 +173,12 @@ class Runner:
             raise
         return stream
 
-    def cancel(self, req_id: int) -> None:
-        """Cancel a request (client gone, stop string seen). Safe from any thread, never blocks."""
+    def cancel(self, req_id: int, count_as: str = "cancelled") -> None:
+        """Cancel a request (client gone, stop string seen). Safe from any thread, never blocks.
+        count_as: the finish reason the metrics record ("stop" for a stop string)."""
         with self._inbox_lock:
+            if count_as != "cancelled":
+                self._finish_as[req_id] = count_as
             self._streams.pop(req_id, None)
             self._inbox.append(req_id)
         self._wake.set()
@@ -244,14 +249,16 @@ class Runner:
             if stream is not None and isinstance(ev, FinishEvent):
                 del self._streams[ev.req_id]
         if isinstance(ev, FinishEvent):
-            self.metrics.finished.inc(ev.reason)
+            with self._inbox_lock:
+                reason = self._finish_as.pop(ev.req_id, ev.reason)
+            self.metrics.finished.inc(reason if ev.reason == "cancelled" else ev.reason)
             log.debug("request %d finished: %s %s", ev.req_id, ev.reason, ev.message)
         else:
             self.metrics.tokens_generated.inc()
         if stream is None:
             return  # its consumer has gone; the request was or will be cancelled
         if not stream.push(ev):
-            self._give_up(stream, f"client fell {stream.max_pending} events behind")
+            self._give_up(stream, f"client fell {plural(stream.max_pending, 'event')} behind")
 
     def _drop_stalled(self) -> None:
         if self.stall_timeout <= 0:

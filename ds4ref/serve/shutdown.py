@@ -85,10 +85,11 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(POLL_S)
 
 
-def serve(app, runner, host: str, port: int, log_level: str, grace_s: float) -> None:
-    """Run until SIGTERM/SIGINT; then end every request cleanly and die by that signal."""
-    server = GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), runner, grace_s)
-    server.run()
+def serve(app, runner, sock, log_level: str, grace_s: float) -> None:
+    """Serve on the bound socket until SIGTERM/SIGINT; then end every request cleanly and die
+    by that signal."""
+    server = GracefulServer(uvicorn.Config(app, log_level=log_level), runner, grace_s)
+    server.run(sockets=[sock])
     if server.signals:
         sys.stdout.flush()
         sys.stderr.flush()

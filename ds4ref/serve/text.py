@@ -111,8 +111,10 @@ class StopMatcher:
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), thinking: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), thinking: bool = False,
+                 skip_ids: frozenset = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.skip_ids = skip_ids  # tokens that produce no text (skip_special_tokens)
         self.stops = [s for s in stop_strings if s]
         self._matcher = StopMatcher(self.stops)
         self.channel = REASONING if thinking else CONTENT
@@ -133,6 +135,8 @@ class TextAssembler:
             self.reasoning += tail
             self.channel = CONTENT
             return [Delta(REASONING, tail)] if tail else []
+        if token in self.skip_ids:
+            return []
         piece = self._utf8.decode(self.tokenizer.decode_bytes([token]))
         if self.channel == REASONING:
             self.reasoning += piece
