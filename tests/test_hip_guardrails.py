@@ -112,9 +112,11 @@ def test_cli_flag():
 
 
 def test_weight_type_refusal_names_tensor():
-    guards.check_weight_types({"blk.0.attn_kv.weight": "Q8_0", "output_norm.weight": "F32"})
-    with pytest.raises(guards.UnsupportedWeightError, match="blk.3.ffn_gate_exps.weight.*IQ2_XXS"):
-        guards.check_weight_types({"blk.0.attn_kv.weight": "Q8_0", "blk.3.ffn_gate_exps.weight": "IQ2_XXS"})
+    guards.check_weight_types({"blk.0.attn_kv.weight": "Q8_0", "output_norm.weight": "F32",
+                               "blk.3.ffn_gate_exps.weight": "IQ2_XXS", "blk.3.ffn_down_exps.weight": "Q2_K",
+                               "blk.4.ffn_up_exps.weight": "Q4_K", "blk.5.ffn_up_exps.weight": "MXFP4"})
+    with pytest.raises(guards.UnsupportedWeightError, match="blk.3.ffn_gate_exps.weight.*Q3_K"):
+        guards.check_weight_types({"blk.0.attn_kv.weight": "Q8_0", "blk.3.ffn_gate_exps.weight": "Q3_K"})
 
 
 # ---- memory estimate against a hand count ----------------------------------
