@@ -315,6 +315,12 @@ def load_config(hf_dir: Path) -> DS4Config:
 _TOK_NORMAL, _TOK_CONTROL, _TOK_USER, _TOK_UNUSED = 1, 3, 4, 5
 
 
+def _looks_special(token: str) -> bool:
+    """llama.cpp's converter types added `<｜…｜>` / `<|…|>` tokens CONTROL even when the
+    tokenizer does not mark them special (`does_token_look_special`); so does ds4ref."""
+    return (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<|") and token.endswith("|>"))
+
+
 def tokenizer_meta(hf_dir: Path, cfg: DS4Config) -> dict | None:
     """`tokenizer.ggml.*` keys from tokenizer.json (+ tokenizer_config.json), or None if absent.
 
@@ -331,7 +337,8 @@ def tokenizer_meta(hf_dir: Path, cfg: DS4Config) -> dict | None:
         raise ConvertError(f"{path}: tokenizer model {model.get('type')!r} is not BPE")
     by_id: dict[int, tuple[str, int]] = {int(i): (t, _TOK_NORMAL) for t, i in model["vocab"].items()}
     for a in tj.get("added_tokens", []):
-        by_id[int(a["id"])] = (a["content"], _TOK_CONTROL if a.get("special") else _TOK_USER)
+        by_id[int(a["id"])] = (a["content"], _TOK_CONTROL if a.get("special") or _looks_special(a["content"])
+                               else _TOK_USER)
     if by_id and max(by_id) >= cfg.vocab_size:
         raise ConvertError(f"{path}: token id {max(by_id)} does not fit vocab_size {cfg.vocab_size}")
     tokens = [by_id.get(i, (f"[PAD{i}]", _TOK_UNUSED)) for i in range(cfg.vocab_size)]
