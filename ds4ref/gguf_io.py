@@ -497,7 +497,7 @@ def _tensor_order(config: DS4Config, names: Iterable[str]) -> list[str]:
 def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str, Any],
                tokenizer_meta: Mapping[str, Any] | None = None,
                dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32",
-               extra_meta: Mapping[str, Any] | None = None) -> None:
+               extra_meta: Mapping[str, Any] | None = None, progress: bool = False) -> None:
     """Write a deepseek4 GGUF.
 
     `tensors` maps GGUF names to arrays in NumPy shape (anything with `.shape`
@@ -522,11 +522,20 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        bar = None
+        if progress:  # tensors are written one at a time: a bar over tensors, weighted by bytes
+            from tqdm import tqdm
+            bar = tqdm(total=sum(writer.tensors[0][n].nbytes for n in order), unit="B", unit_scale=True,
+                       desc=os.path.basename(os.fspath(path)))
         for name in order:
             value = _materialise(tensors[name])
             payload, _ = encode_tensor(name, value, dtypes.get(name, default_dtype))
             writer.write_tensor_data(payload)
+            if bar is not None:
+                bar.update(payload.nbytes)
             del payload, value  # one tensor in memory at a time
+        if bar is not None:
+            bar.close()
     finally:
         writer.close()
 
