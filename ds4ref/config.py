@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 
 ARCH = "deepseek4"
 
-# config field -> (GGUF key suffix after "deepseek4.", required, GGUF type as published, spec §2.1).
+# config field -> (GGUF key suffix after "deepseek4.", required, GGUF type written, spec §2.1).
 # The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.metadata).
+# The two context lengths are written as u32: llama.cpp reads them into uint32_t and refuses
+# u64 ("wrong type u64"); ds4.c reads context_length only for its banner and takes
+# original_context_length as u32 or u64, so u32 is the one type all three consumers accept.
 KEYS: dict[str, tuple[str, bool, str]] = {
     "n_layer": ("block_count", True, "u32"),
-    "context_length": ("context_length", False, "u64"),
+    "context_length": ("context_length", False, "u32"),
     "n_embd": ("embedding_length", True, "u32"),
-    "vocab_size": ("vocab_size", True, "u32"),
+    "vocab_size": ("vocab_size", True, "u32"),  # required here; gguf_io derives it when a file lacks it
     "n_head": ("attention.head_count", True, "u32"),
     "n_head_kv": ("attention.head_count_kv", False, "u32"),
     "head_dim": ("attention.key_length", True, "u32"),
@@ -47,7 +50,7 @@ KEYS: dict[str, tuple[str, bool, str]] = {
     "rope_freq_base": ("rope.freq_base", True, "f32"),
     "compress_rope_freq_base": ("attention.compress_rope_freq_base", True, "f32"),
     "yarn_factor": ("rope.scaling.factor", True, "f32"),
-    "yarn_orig_ctx": ("rope.scaling.original_context_length", True, "u64"),
+    "yarn_orig_ctx": ("rope.scaling.original_context_length", True, "u32"),
     "yarn_beta_fast": ("rope.scaling.yarn_beta_fast", True, "f32"),
     "yarn_beta_slow": ("rope.scaling.yarn_beta_slow", True, "f32"),
 }
@@ -85,6 +88,13 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
 POSITIVE_FLOATS = ("expert_weights_scale", "rope_freq_base", "compress_rope_freq_base", "yarn_factor",
                    "yarn_beta_fast", "yarn_beta_slow", "hc_eps", "rms_eps")
 EPSILONS = ("hc_eps", "rms_eps")
+
+
+# Keys every writer adds and every reader checks (docs/gguf.md, "What each consumer requires").
+GATING_KEY = f"{ARCH}.expert_gating_func"
+SQRTSOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS (= gguf.ExpertGatingFuncType.SQRTSOFTPLUS)
+ROPE_SCALING_KEY = f"{ARCH}.rope.scaling.type"
+NEXTN_KEY = f"{ARCH}.nextn_predict_layers"
 
 
 def key_of(fname: str) -> str:
@@ -241,6 +251,7 @@ class DS4Config:
                 kw[fname] = meta[key]
             elif required:
                 raise ConfigError(f"missing GGUF metadata key {key!r}")
+        _check_routing_and_rope(meta)
         for g in ("expert_group_count", "expert_group_used_count"):
             if meta.get(f"{ARCH}.{g}", 0) not in (0, None):
                 raise ConfigError(f"{ARCH}.{g} must be absent or 0 (no group-limited routing)")
@@ -256,9 +267,30 @@ class DS4Config:
         return cls(**kw)
 
     def to_metadata(self) -> dict:
-        """{GGUF key: python value}, the inverse of from_metadata (tokenizer keys excluded)."""
+        """{GGUF key: python value}, the inverse of from_metadata (tokenizer keys excluded).
+
+        Adds the two keys the math does not read but llama.cpp needs: the gating function
+        (its loader refuses a file without it) and the rope scaling type (without it
+        llama.cpp silently applies *linear* scaling with rope.scaling.factor).
+        """
         meta = {"general.architecture": ARCH, "general.name": self.name}
         for fname, (suffix, _, _) in KEYS.items():
             v = getattr(self, fname)
             meta[f"{ARCH}.{suffix}"] = list(v) if isinstance(v, tuple) else v
+        meta[GATING_KEY] = SQRTSOFTPLUS
+        meta[ROPE_SCALING_KEY] = "yarn"
         return meta
+
+
+def _check_routing_and_rope(meta: dict) -> None:
+    """Refuse what the math would silently get wrong: another router score function, or a
+    rope scaling type other than YaRN (ds4ref always applies YaRN to compressed layers).
+    Both keys are optional when reading (antirez's files carry neither)."""
+    gating = meta.get(GATING_KEY, SQRTSOFTPLUS)
+    if gating != SQRTSOFTPLUS:
+        raise ConfigError(f"{GATING_KEY} is {gating!r}; DS4 routes with sqrtsoftplus ({SQRTSOFTPLUS}), "
+                          f"the only expert scoring ds4ref implements")
+    scaling = meta.get(ROPE_SCALING_KEY, "yarn")
+    if scaling != "yarn":
+        raise ConfigError(f"{ROPE_SCALING_KEY} is {scaling!r}; DS4's compressed layers use 'yarn', "
+                          f"the only rope scaling ds4ref implements")

@@ -1,6 +1,6 @@
 """Convert a DeepSeek-V4 safetensors checkpoint directory to a deepseek4 GGUF.
 
-    python -m ds4ref.convert --hf DIR --out FILE.gguf [--dtype f32|f16|bf16]
+    python -m ds4ref.convert --hf DIR --out FILE.gguf [--dtype f32|f16|bf16|q8_0]
 
 DIR holds config.json (transformers' modern keys or the legacy ones, see
 ds4ref.hf.config_from_hf) and one or more *.safetensors files with official
@@ -8,14 +8,14 @@ DeepSeek names, transformers' names (with or without the leading `model.`), or
 the hybrid that transformers' save_pretrained writes. Tensors are read lazily,
 one at a time, while the GGUF is written.
 
-Only unquantised checkpoints (F32/F16/BF16/F64 values, integer tid2eid) are
-accepted: the released FP8/FP4 weights (F8_E4M3 values with `.scale`
-companions, int8-packed FP4, E8M0 scales) are refused with the tensor's name,
-because dequantising them is a separate, lossy-format decision.
+Unquantised checkpoints (F32/F16/BF16/F64, integer tid2eid) and the official FP8/FP4
+release (ds4ref.fp8): FP8 weights are dequantised exactly and stored as --dtype; FP4
+routed experts are repacked to MXFP4 losslessly. docs/convert.md has the details.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import struct
@@ -27,6 +27,7 @@ from .cli import HelpFormatter
 import numpy as np
 
 from .config import ConfigError, DS4Config
+from .fp8 import QuantError, decode_scales, dequantise_fp8, fp4_to_mxfp4, fp4_values
 from .hf import (EXPERT_OFFICIAL, EXPERT_TENSORS, GLOBAL_ALIASES, GLOBAL_NAMES, HF_DOWN, HF_GATE_UP,
                  LAYER_ALIASES, LAYER_NAMES, HFError, config_from_hf, strip_model_prefix)
 from .tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
@@ -39,16 +40,19 @@ class ConvertError(ValueError):
 # safetensors dtype strings
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "U32"}
-# Anything quantised: FP8 values and scales, packed FP4 (int8/uint8), E8M0 scales.
-QUANT_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2",
-                "I8", "U8"}
-# Companion names of block-quantised weights (official `.scale`, transformers' FP8 `weight_scale_inv`).
+# The official release's quantised weights (ds4ref.fp8): FP8 E4M3 values, int8-packed FP4, and
+# their scales (E8M0, or float). Other quantised formats are refused naming the tensor.
+QUANT_DTYPES = {"F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2"}
+FP8_DTYPE, FP4_DTYPES = "F8_E4M3", {"I8", "U8"}
+SCALE_DTYPES = {"F8_E8M0", "F32", "BF16", "F16"}
+# Companion names of block-quantised weights: official `X.scale`, transformers' FP8 `X.weight_scale_inv`.
+_SCALE_NAME = re.compile(r"^(?P<base>.+?)(\.scale|\.weight_scale_inv)$")
 _QUANT_NAME = re.compile(r"(\.scale|\.scale_inv|_scale_inv|\.weight_scale|\.input_scale)$")
 
 # GGUF --dtype choices -> stored type of >= 2-D float tensors. 1-D tensors (norms, HC
 # biases/scales, sinks, router bias) stay F32 as in the published files.
-DTYPES = ("f32", "f16", "bf16")
-_FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's general.file_type codes
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+_FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # llama.cpp's general.file_type codes
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,6 +65,18 @@ class SourceTensor:
     name: str      # name as stored
     dtype: str     # safetensors dtype string
     shape: tuple[int, ...]
+    offset: int = 0   # byte offset of the data in the file
+    nbytes: int = 0
+    scale: "SourceTensor | None" = None  # the block scales of an FP8 / FP4 weight
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.scale is not None and self.dtype in FP4_DTYPES
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        """The shape of the values: FP4 packs two a byte along the last axis."""
+        return (*self.shape[:-1], 2 * self.shape[-1]) if self.is_fp4 else self.shape
 
 
 def read_header(path: Path) -> dict[str, SourceTensor]:
@@ -74,7 +90,10 @@ def read_header(path: Path) -> dict[str, SourceTensor]:
             header = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError) as exc:
             raise ConvertError(f"{path}: unreadable safetensors header ({exc})") from None
-    return {name: SourceTensor(path, name, info["dtype"], tuple(int(s) for s in info["shape"]))
+    start = 8 + n
+    return {name: SourceTensor(path, name, info["dtype"], tuple(int(s) for s in info["shape"]),
+                               start + int(info["data_offsets"][0]),
+                               int(info["data_offsets"][1]) - int(info["data_offsets"][0]))
             for name, info in header.items() if name != "__metadata__"}
 
 
@@ -102,8 +121,35 @@ class _Opener:
             self.framework = "numpy"
         self._handles: dict[Path, object] = {}
 
+    def raw(self, t: SourceTensor, dtype) -> np.ndarray:
+        """The stored bytes as `dtype`, memory-mapped (read when touched)."""
+        return np.memmap(t.file, dtype=dtype, mode="r", offset=t.offset, shape=t.shape)
+
+    def _scales(self, t: SourceTensor) -> np.ndarray:
+        s = t.scale
+        if s.dtype == "F8_E8M0":
+            return self.raw(s, np.uint8)
+        return self.load(s)
+
+    def mxfp4(self, t: SourceTensor) -> np.ndarray:
+        """An FP4 weight's MXFP4 block bytes (lossless, fp8.fp4_to_mxfp4)."""
+        if t.scale.dtype != "F8_E8M0":
+            raise ConvertError(f"tensor {t.scale.name!r}: FP4 scales must be F8_E8M0, found {t.scale.dtype}")
+        try:
+            return fp4_to_mxfp4(self.raw(t, np.uint8), self.raw(t.scale, np.uint8), t.name)
+        except QuantError as exc:
+            raise ConvertError(str(exc)) from None
+
     def load(self, t: SourceTensor) -> np.ndarray:
         from safetensors import safe_open  # present: main() checked
+
+        try:
+            if t.dtype == FP8_DTYPE:
+                return dequantise_fp8(self.raw(t, np.uint8), decode_scales(self._scales(t), t.scale.dtype), t.name)
+            if t.is_fp4:
+                return fp4_values(self.raw(t, np.uint8), self._scales(t)).astype(np.float32)
+        except QuantError as exc:
+            raise ConvertError(str(exc)) from None
 
         if self.framework == "numpy" and t.dtype == "BF16":  # pragma: no cover
             raise ConvertError(f"tensor {t.name!r} is BF16: install torch to convert BF16 checkpoints")
@@ -128,6 +174,19 @@ class Lazy:
         if arr.shape != self.shape:
             raise ConvertError(f"loaded shape {arr.shape}, expected {self.shape}")
         return arr if dtype is None else arr.astype(dtype)
+
+
+class LazyBlocks:
+    """Routed experts that are stored as MXFP4 whatever --dtype says (FP4 -> MXFP4 is lossless,
+    anything else would round or inflate them): write_gguf calls stored_blocks() when writing."""
+
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+        from gguf import GGMLQuantizationType
+        self.shape, self.qtype, self._load = tuple(shape), GGMLQuantizationType.MXFP4, load
+
+    def stored_blocks(self):
+        from .gguf_io import StoredBlocks
+        return StoredBlocks(self.shape, self.qtype, self._load())
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,8 +221,29 @@ _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _OFFICIAL_TO_GGUF_EXPERT = {v: k for k, v in EXPERT_OFFICIAL.items()}
 
 
+def pair_scales(sources: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """The sources with each `X.scale` / `X.weight_scale_inv` attached to its weight `X.weight`
+    (and removed); FP8/FP4 weights without one, or scales without a quantised weight, raise."""
+    out = dict(sources)
+    for name, t in sources.items():
+        m = _SCALE_NAME.match(name)
+        weight = out.get(f"{m.group('base')}.weight") if m else None
+        if m is None or weight is None or weight.dtype not in {FP8_DTYPE, *FP4_DTYPES}:
+            continue
+        if t.dtype not in SCALE_DTYPES:
+            raise ConvertError(f"tensor {name!r}: scales stored as {t.dtype}, expected one of {sorted(SCALE_DTYPES)}")
+        out[weight.name] = dataclasses.replace(weight, scale=t)
+        del out[name]
+    for name, t in out.items():
+        if t.dtype == FP8_DTYPE and t.scale is None:
+            raise ConvertError(f"tensor {name!r} is F8_E4M3 without its block scales ({name.removesuffix('.weight')}"
+                               f".scale or {name}_scale_inv)")
+    return out
+
+
 def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
     """Assign every source tensor to its GGUF tensor; raise on quantised/unexpected/missing."""
+    sources = pair_scales(sources)
     _refuse_quantised(sources)
     glob, layer = _lookup_tables()
     plan = _Plan()
@@ -205,8 +285,7 @@ def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
     if unexpected:
         quant = [n for n in unexpected if _QUANT_NAME.search(n)]
         if quant:
-            raise ConvertError(f"tensor {quant[0]!r} is a quantisation scale: the checkpoint is FP8/FP4-quantised; "
-                               f"ds4ref converts only unquantised (F32/F16/BF16) checkpoints")
+            raise ConvertError(f"tensor {quant[0]!r} is a quantisation scale without an FP8/FP4 weight to go with")
         raise ConvertError(f"unexpected tensors for this config: {_show(unexpected)}")
     _check_complete(cfg, plan)
     return plan
@@ -214,10 +293,10 @@ def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
 
 def _refuse_quantised(sources: dict[str, SourceTensor]) -> None:
     for name, t in sorted(sources.items()):
-        if t.dtype in QUANT_DTYPES:
-            raise ConvertError(f"tensor {name!r} is stored as {t.dtype} (FP8/FP4-quantised); ds4ref converts only "
-                               f"unquantised (F32/F16/BF16) checkpoints: dequantise it first")
-        if t.dtype not in FLOAT_DTYPES | INT_DTYPES:
+        if t.dtype in QUANT_DTYPES or (t.dtype in FP4_DTYPES and t.scale is None) or t.dtype == "F8_E8M0":
+            raise ConvertError(f"tensor {name!r} is stored as {t.dtype}: ds4ref converts F32/F16/BF16 and the "
+                               f"official FP8 (F8_E4M3 + E8M0 128x128 scales) and FP4 (int8 + E8M0 per 32) weights")
+        if t.dtype not in FLOAT_DTYPES | INT_DTYPES | {FP8_DTYPE} and not t.is_fp4:
             raise ConvertError(f"tensor {name!r} has unsupported safetensors dtype {t.dtype}")
 
 
@@ -254,8 +333,8 @@ def _check_complete(cfg: DS4Config, plan: _Plan) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _expect(t: SourceTensor, shape: tuple[int, ...], what: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ConvertError(f"tensor {t.name!r} has shape {t.shape}, expected {tuple(shape)} for {what}")
+    if tuple(t.value_shape) != tuple(shape):
+        raise ConvertError(f"tensor {t.name!r} has shape {t.value_shape}, expected {tuple(shape)} for {what}")
 
 
 def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy]:
@@ -269,7 +348,7 @@ def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy
                 raise ConvertError(f"tensor {t.name!r} must hold integer expert ids, found {t.dtype}")
             out[name] = Lazy(shapes[name], lambda t=t: _expert_ids(opener.load(t), t.name, cfg.n_expert))
         else:
-            if t.dtype not in FLOAT_DTYPES:
+            if t.dtype not in FLOAT_DTYPES | {FP8_DTYPE} and not t.is_fp4:
                 raise ConvertError(f"tensor {t.name!r} must hold floats, found {t.dtype}")
             out[name] = Lazy(shapes[name], lambda t=t: opener.load(t))
     ff, d = cfg.expert_ff, cfg.n_embd
@@ -286,7 +365,10 @@ def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy
         for e, t in per.items():
             _expect(t, shape[1:], f"{name} expert {e}")
         srcs = [per[e] for e in range(cfg.n_expert)]
-        out[name] = Lazy(shape, lambda srcs=srcs: np.stack([opener.load(t) for t in srcs]))
+        if all(t.is_fp4 for t in srcs):  # official FP4 experts: MXFP4, bit for bit
+            out[name] = LazyBlocks(shape, lambda srcs=srcs: np.stack([opener.mxfp4(t) for t in srcs]))
+        else:
+            out[name] = Lazy(shape, lambda srcs=srcs: np.stack([opener.load(t) for t in srcs]))
     return out
 
 
@@ -316,6 +398,12 @@ def load_config(hf_dir: Path) -> DS4Config:
 _TOK_NORMAL, _TOK_CONTROL, _TOK_USER, _TOK_UNUSED = 1, 3, 4, 5
 
 
+def _looks_special(token: str) -> bool:
+    """llama.cpp's converter types added `<｜…｜>` / `<|…|>` tokens CONTROL even when the
+    tokenizer does not mark them special (`does_token_look_special`); so does ds4ref."""
+    return (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<|") and token.endswith("|>"))
+
+
 def tokenizer_meta(hf_dir: Path, cfg: DS4Config) -> dict | None:
     """`tokenizer.ggml.*` keys from tokenizer.json (+ tokenizer_config.json), or None if absent.
 
@@ -332,7 +420,8 @@ def tokenizer_meta(hf_dir: Path, cfg: DS4Config) -> dict | None:
         raise ConvertError(f"{path}: tokenizer model {model.get('type')!r} is not BPE")
     by_id: dict[int, tuple[str, int]] = {int(i): (t, _TOK_NORMAL) for t, i in model["vocab"].items()}
     for a in tj.get("added_tokens", []):
-        by_id[int(a["id"])] = (a["content"], _TOK_CONTROL if a.get("special") else _TOK_USER)
+        by_id[int(a["id"])] = (a["content"], _TOK_CONTROL if a.get("special") or _looks_special(a["content"])
+                               else _TOK_USER)
     if by_id and max(by_id) >= cfg.vocab_size:
         raise ConvertError(f"{path}: token id {max(by_id)} does not fit vocab_size {cfg.vocab_size}")
     tokens = [by_id.get(i, (f"[PAD{i}]", _TOK_UNUSED)) for i in range(cfg.vocab_size)]

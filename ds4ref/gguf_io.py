@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
-from .config import ARCH, ConfigError, DS4Config
+from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import is_int_tensor, tensor_shapes
 from .weights import Weights, WeightsError, check_tensor_shapes
@@ -39,8 +39,9 @@ _INT_TYPES = {QType.I8: np.int8, QType.I16: np.int16, QType.I32: np.int32, QType
 
 # Metadata keys whose GGUF type is not the default for their Python type (spec §2.1).
 _KEY_TYPES: dict[str, tuple[VType, VType | None]] = {
-    f"{ARCH}.context_length": (VType.UINT64, None),
-    f"{ARCH}.rope.scaling.original_context_length": (VType.UINT64, None),
+    f"{ARCH}.context_length": (VType.UINT32, None),  # u32: llama.cpp refuses u64 here (config.KEYS)
+    f"{ARCH}.rope.scaling.original_context_length": (VType.UINT32, None),
+    f"{ARCH}.expert_gating_func": (VType.UINT32, None),
     f"{ARCH}.expert_weights_norm": (VType.BOOL, None),
     f"{ARCH}.attention.compress_ratios": (VType.ARRAY, VType.INT32),
     f"{ARCH}.swiglu_clamp_exp": (VType.ARRAY, VType.FLOAT32),
@@ -62,8 +63,27 @@ def qtype_of(dtype: str | QType) -> QType:
                         f"(use f32, f16, bf16, q8_0 or another GGML type name)") from None
 
 
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A tensor already in its stored form: GGML block bytes (rows of `data`) of type
+    `qtype` for values of NumPy shape `shape`. write_gguf writes the bytes as they are:
+    this is how types gguf-py cannot quantise to (Q2_K, Q4_K, IQ2_XXS) get into a file,
+    and how FP4 checkpoints reach MXFP4 without a round trip through floats."""
+    shape: tuple[int, ...]
+    qtype: QType
+    data: np.ndarray  # uint8, (*shape[:-1], bytes per row)
+
+    def __post_init__(self):
+        want = gguf.quants.quant_shape_to_byte_shape(self.shape, self.qtype)
+        if tuple(self.data.shape) != tuple(want) or self.data.dtype != np.uint8:
+            raise GGUFError(f"{self.qtype.name} blocks for shape {self.shape} must be uint8 {want}, "
+                            f"got {self.data.dtype} {self.data.shape}")
+
+
 def encode_tensor(name: str, arr: np.ndarray, dtype: str | QType) -> tuple[np.ndarray, QType]:
     """The bytes to store for `arr` as `dtype`, and the GGML type they are in."""
+    if isinstance(arr, StoredBlocks):
+        return arr.data, arr.qtype
     if is_int_tensor(name):
         return np.ascontiguousarray(arr, dtype=np.int32), QType.I32
     qtype = qtype_of(dtype)
@@ -257,7 +277,11 @@ class GGUFModelFile:
         except (MetadataError, GGUFError) as exc:
             raise GGUFError(f"{self.path}: {exc}") from None
         self.metadata: dict[str, Any] = {k: _python_value(v, *self.value_types[k]) for k, v in meta.items()}
-        self.config = _config_from(self.metadata, self.path)
+        try:
+            effective, self.notes = effective_metadata(self.metadata, {t.name: t.shape for t in infos})
+        except GGUFError as exc:
+            raise GGUFError(f"{self.path}: {exc}") from None
+        self.config = _config_from(effective, self.path)
         self.tensors: dict[str, TensorEntry] = {}
         for info in infos:
             if info.name in self.tensors:
@@ -343,6 +367,52 @@ def _view(buf: mmap.mmap, qtype: QType, shape: tuple[int, ...], offset: int, n: 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     byte_shape = (*shape[:-1], shape[-1] // block * size) if shape else (size,)
     return np.frombuffer(buf, np.uint8, n // block * size, offset).reshape(byte_shape)
+
+
+def effective_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict, list[str]]:
+    """The metadata the config is built from, and one note per thing derived.
+
+    llama.cpp's converter leaves two facts implicit that ds4ref's config names:
+    * `vocab_size`: the length of `tokenizer.ggml.tokens` (llama.cpp's n_vocab), else
+      the rows of `token_embd.weight`;
+    * MTP blocks counted in `block_count`: with `nextn_predict_layers` = k, the last k
+      blocks are MTP, but only when `blk.{block_count-k}.nextn.eh_proj.weight` exists
+      (llama.cpp's loader rule: antirez's files say k = 1 and ship the MTP block in a
+      separate file, so all their blocks are layers). MTP blocks are never run.
+    """
+    out, notes = dict(meta), []
+    vkey = f"{ARCH}.vocab_size"
+    if vkey not in out:
+        tokens, emb = out.get("tokenizer.ggml.tokens"), shapes.get("token_embd.weight")
+        if tokens is not None:
+            out[vkey], source = len(tokens), "the length of tokenizer.ggml.tokens"
+        elif emb:
+            out[vkey], source = int(emb[0]), "the rows of token_embd.weight"
+        else:
+            raise GGUFError(f"missing GGUF metadata key {vkey!r}, and neither tokenizer.ggml.tokens nor "
+                            f"token_embd.weight gives it")
+        notes.append(f"vocab_size {out[vkey]} derived from {source} ({vkey} absent)")
+    _skip_mtp_blocks(out, shapes, notes)
+    return out, notes
+
+
+def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: list[str]) -> None:
+    nextn, bkey = meta.get(NEXTN_KEY, 0), f"{ARCH}.block_count"
+    blocks = meta.get(bkey)
+    if not nextn or not isinstance(blocks, int):
+        return
+    if nextn >= blocks:
+        raise GGUFError(f"{NEXTN_KEY} is {nextn} with {bkey} {blocks}: no main layers would remain "
+                        f"(an MTP-only file is not a model ds4ref can run)")
+    main = blocks - nextn
+    probe = f"blk.{main}.nextn.eh_proj.weight"
+    if probe in shapes:
+        meta[bkey] = main
+        which = f"block {main}" if nextn == 1 else f"blocks {main}..{blocks - 1}"
+        notes.append(f"MTP {which} skipped ({NEXTN_KEY}={nextn}, {bkey}={blocks}): {main} layers run")
+    else:
+        notes.append(f"{NEXTN_KEY}={nextn} but no {probe}: the MTP block is not in this file, "
+                     f"all {blocks} blocks are layers (llama.cpp's rule)")
 
 
 def _config_from(meta: dict, path: str) -> DS4Config:
@@ -445,7 +515,7 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         _add_metadata(writer, meta)
         order = _tensor_order(config, tensors)
         for name in order:  # tensor infos first: the header precedes all data
-            qtype = QType.I32 if is_int_tensor(name) else qtype_of(dtypes.get(name, default_dtype))
+            qtype = _stored_qtype(name, tensors[name], dtypes.get(name, default_dtype))
             shape = tuple(tensors[name].shape)
             writer.add_tensor_info(name, shape, np.dtype(np.float32), _stored_nbytes(name, shape, qtype),
                                    raw_dtype=qtype)
@@ -453,10 +523,28 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name in order:
-            payload, _ = encode_tensor(name, np.asarray(tensors[name]), dtypes.get(name, default_dtype))
+            value = _materialise(tensors[name])
+            payload, _ = encode_tensor(name, value, dtypes.get(name, default_dtype))
             writer.write_tensor_data(payload)
+            del payload, value  # one tensor in memory at a time
     finally:
         writer.close()
+
+
+def _materialise(value: Any) -> "StoredBlocks | np.ndarray":
+    """A tensor's values now: StoredBlocks as they are, a lazy source of blocks (anything with
+    `stored_blocks()` and `qtype`, as the converter's FP4 experts) loaded, else np.asarray."""
+    if isinstance(value, StoredBlocks):
+        return value
+    if hasattr(value, "stored_blocks"):
+        return value.stored_blocks()
+    return np.asarray(value)
+
+
+def _stored_qtype(name: str, value: Any, dtype: str) -> QType:
+    if isinstance(value, StoredBlocks) or hasattr(value, "stored_blocks"):
+        return value.qtype
+    return QType.I32 if is_int_tensor(name) else qtype_of(dtype)
 
 
 def _stored_nbytes(name: str, shape: tuple[int, ...], qtype: QType) -> int:

@@ -55,6 +55,8 @@ KEY_TYPES: dict[str, str] = {
     f"{ARCH}.expert_group_count": "u32",
     f"{ARCH}.expert_group_used_count": "u32",
     f"{ARCH}.rope.scaling.type": "string",
+    f"{ARCH}.expert_gating_func": "u32",
+    f"{ARCH}.nextn_predict_layers": "u32",
     **TOKENIZER_KEY_TYPES,
 }
 

@@ -17,16 +17,23 @@ class DS4Model:
     """What `ds4ref.load` returns: config, metadata, the reference math, backends."""
 
     def __init__(self, metadata: dict, weights, numerics: str = "official", backend: str = "numpy",
-                 path: str | None = None) -> None:
+                 path: str | None = None, notes: Sequence[str] = ()) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.metadata, self.path, self.backend_name = metadata, path, backend
+        self.notes = list(notes)  # what the loader derived or skipped (gguf_io.effective_metadata)
         self.reference = Model(weights, numerics)
         self.config: DS4Config = self.reference.config
         self.numerics = numerics
         self._device = None
         if backend == "hip":
             self._device = self.make_backend()  # fail at load, naming what is missing, not mid-request
+
+    def describe(self) -> str:
+        """One line for a load banner: layers, and anything the loader derived or skipped."""
+        c = self.config
+        base = f"{c.name}: {c.n_layer} layers, vocab {c.vocab_size}"
+        return "; ".join([base, *self.notes])
 
     @property
     def weights(self):
@@ -71,4 +78,4 @@ def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics
     from .tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)
-    return DS4Model(f.metadata, f.weights(dtype), numerics=numerics, backend=backend, path=path)
+    return DS4Model(f.metadata, f.weights(dtype), numerics=numerics, backend=backend, path=path, notes=f.notes)

@@ -7,7 +7,14 @@ and clamping within a few hundred tokens. Weights are random but scaled so
 that activations stay O(1) through the layers and the logits are far from
 flat, which makes argmax comparisons between implementations meaningful.
 
-    python -m ds4ref.tiny --out model.gguf [--seed N] [--layers N]
+    python -m ds4ref.tiny --out model.gguf [--seed N] [--layers N] [--policy q2|q4|mxfp4]
+
+`--policy` writes the published files' type policy (spec §2): routed experts as
+IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
+expert and output; F16 HC, compressor, indexer, router and embedding. The 256-value
+blocks of the K-quants and IQ2_XXS need rows that are multiples of 256, so the policy
+files are 256 wide with 256-wide experts (POLICY_DIMS); the expert blocks are random
+but valid bytes (random_blocks), since gguf-py cannot quantise to these types.
 """
 from __future__ import annotations
 
@@ -55,6 +62,15 @@ _DTYPE_BY_SUFFIX = {
     "ffn_gate_exps.weight": "q8_0", "ffn_up_exps.weight": "q8_0", "ffn_down_exps.weight": "q8_0",
     "ffn_gate_shexp.weight": "q8_0", "ffn_up_shexp.weight": "q8_0", "ffn_down_shexp.weight": "q8_0",
 }
+
+
+# Routed-expert types of each published policy: (gate and up, down).
+POLICIES: dict[str, tuple[str, str]] = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K"),
+                                        "mxfp4": ("MXFP4", "MXFP4")}
+# Dimensions of the policy files: expert rows (n_embd for gate/up, expert_ff for down)
+# must be multiples of 256 for Q2_K / Q4_K / IQ2_XXS. Everything else is the tiny model's.
+POLICY_DIMS = dict(n_embd=256, expert_ff=256)
+_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def flash_ratio(layer: int) -> int:
@@ -142,19 +158,95 @@ def random_tensors(config: DS4Config, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------
+# random but valid quantised blocks
+# ---------------------------------------------------------------------------
+def _set_f16(blocks: np.ndarray, offset: int, value) -> None:
+    blocks[:, offset:offset + 2] = np.asarray(value, np.float16).reshape(-1, 1).view(np.uint8).reshape(-1, 2)
+
+
+def _dequant(blocks: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+    return gguf.quants.dequantize(blocks, qtype).reshape(-1)
+
+
+# Byte offset of the f16 super-block scales (d, dmin) in gguf-py's block layouts.
+_F16_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "IQ2_XXS": (0, None)}
+
+
+def random_blocks(rng: np.random.Generator, qtype_name: str, shape: tuple[int, ...], std: float):
+    """StoredBlocks of `qtype_name` for values of NumPy `shape`: uniformly random bytes
+    (every code, grid index, sign pattern and sub-scale is valid) with the block scales
+    set so that the values have mean ~0 and standard deviation ~`std`. The scales are
+    finite f16 (E8M0 in 1..254 for MXFP4), so every value dequantises to a finite float."""
+    import gguf
+    from .gguf_io import StoredBlocks
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (int(np.prod(byte_shape)) // size, size), dtype=np.uint8)
+    if qtype_name == "MXFP4":
+        blocks[:, 0] = 127
+        exponent = 127 + int(round(np.log2(std / _dequant(blocks, qtype).std())))
+        blocks[:, 0] = np.clip(exponent + rng.integers(-1, 2, len(blocks)), 1, 254)  # per-block jitter
+    else:
+        d_at, dmin_at = _F16_SCALES[qtype_name]
+        d, dmin = 1.0, 0.0
+        if dmin_at is not None:  # K-quants subtract dmin*min: pick dmin so the mean is ~0
+            _set_f16(blocks, d_at, 1.0); _set_f16(blocks, dmin_at, 0.0)
+            scaled = _dequant(blocks, qtype).mean()
+            _set_f16(blocks, d_at, 0.0); _set_f16(blocks, dmin_at, 1.0)
+            dmin = scaled / -_dequant(blocks, qtype).mean()
+            _set_f16(blocks, dmin_at, dmin)
+        _set_f16(blocks, d_at, d)
+        gain = std / _dequant(blocks, qtype).std()
+        _set_f16(blocks, d_at, d * gain)
+        if dmin_at is not None:
+            _set_f16(blocks, dmin_at, dmin * gain)
+    return StoredBlocks(tuple(shape), qtype, blocks.reshape(byte_shape))
+
+
+def policy_config(**overrides) -> DS4Config:
+    """The tiny config at the policy files' widths (POLICY_DIMS)."""
+    return tiny_config(**{**POLICY_DIMS, **overrides})
+
+
+def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors, dtypes) of a tiny file in a published policy: random_tensors, with the routed
+    experts replaced by random valid blocks of the policy's types (same std as the floats)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    tensors = random_tensors(config, seed)
+    gate_up, down = POLICIES[policy]
+    for i, (name, arr) in enumerate(tensors.items()):
+        suffix = name.split(".", 2)[-1]
+        if suffix in _EXPERTS:
+            rng = np.random.default_rng([seed, i, 1])
+            qtype = down if suffix == "ffn_down_exps.weight" else gate_up
+            tensors[name] = random_blocks(rng, qtype, arr.shape, float(arr.std()))
+    return tensors, tiny_dtypes(config)
+
+
+# ---------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
-               dtypes: dict[str, str] | None = None) -> DS4Config:
-    """Write a tiny model (weights, config and the embedded tokenizer) to `path`."""
+               dtypes: dict[str, str] | None = None, policy: str | None = None) -> DS4Config:
+    """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
+    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS."""
     from .gguf_io import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
-    config = config or tiny_config()
-    dtypes = tiny_dtypes(config) if dtypes is None else dtypes
-    write_gguf(path, config, random_tensors(config, seed), tokenizer_meta=tiny_tokenizer_meta(config.vocab_size),
-               dtypes=dtypes, extra_meta={"deepseek4.rope.scaling.type": "yarn",
-                                          "ds4ref.tiny_seed": int(seed)})
+    extra = {"ds4ref.tiny_seed": int(seed)}
+    if policy is not None:
+        config = config or policy_config()
+        tensors, dtypes = policy_tensors(config, policy, seed)
+        extra["ds4ref.tiny_policy"] = policy
+    else:
+        config = config or tiny_config()
+        tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
+    write_gguf(path, config, tensors, tokenizer_meta=tiny_tokenizer_meta(config.vocab_size),
+               dtypes=dtypes, extra_meta=extra)
     return config
 
 
@@ -172,15 +264,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="number of layers (Flash ratio pattern)")
     ap.add_argument("--ratios", default=None, help="comma-separated compress ratios, e.g. 0,0,4,128")
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
+    ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
+                    help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
     args = ap.parse_args(argv)
+    if args.policy and args.all_f32:
+        ap.error("--policy and --all-f32 exclude each other")
     overrides = {}
     if args.ratios:
         ratios = [int(r) for r in args.ratios.split(",")]
         overrides.update(compress_ratios=ratios, n_layer=len(ratios))
     if args.layers is not None:
         overrides["n_layer"] = args.layers
-    cfg = tiny_config(**overrides)
-    write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None)
+    cfg = (policy_config if args.policy else tiny_config)(**overrides)
+    write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
 

@@ -117,8 +117,11 @@ def test_metadata_uses_published_types(written):
 
     assert types(p + "block_count") == (V.UINT32, V.UINT32)
     assert types(p + "expert_count") == (V.UINT32, V.UINT32)
-    assert types(p + "context_length")[0] == V.UINT64
-    assert types(p + "rope.scaling.original_context_length")[0] == V.UINT64
+    # u32, not u64: llama.cpp refuses u64 context lengths (ds4ref.consumers)
+    assert types(p + "context_length")[0] == V.UINT32
+    assert types(p + "rope.scaling.original_context_length")[0] == V.UINT32
+    assert types(p + "expert_gating_func")[0] == V.UINT32
+    assert types(p + "rope.scaling.type")[0] == V.STRING
     assert types(p + "expert_weights_norm")[0] == V.BOOL
     assert types(p + "expert_weights_scale")[0] == V.FLOAT32
     assert types(p + "attention.layer_norm_rms_epsilon")[0] == V.FLOAT32

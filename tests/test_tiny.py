@@ -100,3 +100,32 @@ def test_logits_are_peaked(tiny_weights):
     p /= p.sum(1, keepdims=True)
     assert np.median(p.max(1)) > 10 / tiny_weights.config.vocab_size  # far from uniform
     assert 0.3 < float(logits.std(1).mean()) < 30  # O(1) activations, no blow-up
+
+
+# ---- published-policy files (python -m ds4ref.tiny --policy) -----------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(["IQ2_XXS", "Q2_K", "Q4_K", "MXFP4"]),
+       std=st.floats(1e-3, 10.0))
+def test_random_blocks_are_valid(seed, qtype, std):
+    """Random block bytes dequantise (through gguf.quants) to finite values of about the asked std."""
+    import gguf
+    from ds4ref.tiny import random_blocks
+    blocks = random_blocks(np.random.default_rng(seed), qtype, (4, 512), std)
+    assert blocks.qtype.name == qtype and blocks.data.dtype == np.uint8
+    values = gguf.quants.dequantize(blocks.data, blocks.qtype)
+    assert values.shape == (4, 512) and np.isfinite(values).all()
+    assert 0.5 * std < values.std() < 2.0 * std
+
+
+def test_policy_cli_writes_the_policy(tmp_path):
+    from ds4ref.gguf_io import open_gguf
+    from ds4ref.tiny import main
+    main(["--policy", "q2", "--out", str(tmp_path / "q2.gguf"), "--layers", "4"])
+    f = open_gguf(tmp_path / "q2.gguf")
+    assert f.metadata["ds4ref.tiny_policy"] == "q2" and f.config.n_layer == 4 and f.config.n_embd == 256
+    assert f.tensor("blk.3.ffn_gate_exps.weight").qtype.name == "IQ2_XXS"
+    assert f.tensor("blk.3.ffn_down_exps.weight").qtype.name == "Q2_K"

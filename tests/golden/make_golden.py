@@ -1,6 +1,14 @@
-"""Produce the golden files for the embedded tiny model.
+"""Produce the golden files for the embedded tiny model and the published-policy variants.
 
     python -m tests.golden.make_golden          # rewrites tests/golden/*.json
+    python -m tests.golden.make_golden q2 q4    # only those
+
+tiny_{official,plain}.json: the embedded ds4-tiny. tiny_{q2,q4,mxfp4}_official.json: the
+tiny files of `python -m ds4ref.tiny --policy P` (seed 0), which are generated, not
+packaged (each is 7-10 MB): policy_model(P) writes them to a cache directory, and the
+golden records the file's sha256, so a change in the generator is told apart from a
+change in the math. The variants use official numerics and prompts up to 203 tokens
+(the 256-wide files cost ~4x the embedded model per token).
 
 For each numeric mode, from fixed prompts (lengths 1 to 600, drawn from fixed seeds):
 * float64, plain NumPy maths: greedy continuations, and logit fingerprints (per-position
@@ -14,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +33,33 @@ from ds4ref.backend import Row, StepPlan
 
 HERE = Path(__file__).parent
 PROMPT_LENGTHS = (1, 7, 64, 203, 600)
+POLICIES = ("q2", "q4", "mxfp4")
+POLICY_PROMPT_LENGTHS = (1, 7, 64, 203)
+POLICY_SEED = 0
+
+
+def policy_model(policy: str) -> Path:
+    """The tiny file of `python -m ds4ref.tiny --policy POLICY --seed 0`, written once per cache."""
+    from ds4ref.tiny import write_tiny
+    cache = Path(os.environ.get("DS4REF_GOLDEN_CACHE", Path(tempfile.gettempdir()) / "ds4ref-golden"))
+    path = cache / f"tiny_{policy}_seed{POLICY_SEED}.gguf"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel test workers: write, then rename
+        write_tiny(tmp, seed=POLICY_SEED, policy=policy)
+        os.replace(tmp, path)
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 NEW_TOKENS = 16
 TOP = 16
 ROWS_PER_PASS = 16
 
 
-def golden_prompts(vocab: int) -> list[list[int]]:
-    return [np.random.default_rng(1000 + n).integers(0, vocab, n).tolist() for n in PROMPT_LENGTHS]
+def golden_prompts(vocab: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    return [np.random.default_rng(1000 + n).integers(0, vocab, n).tolist() for n in lengths]
 
 
 def fingerprint(logits: np.ndarray) -> dict:
@@ -63,23 +93,41 @@ def float32_case(model, ids: list[int]) -> dict:
     return {"greedy": new, "logits_sha256": logits_sha256(logits)}
 
 
-def make(numerics: str) -> dict:
-    m64 = ds4ref.load(numerics=numerics, dtype=np.float64)
-    m32 = ds4ref.load(numerics=numerics, dtype=np.float32)
+def make(numerics: str, model_path=None, lengths=PROMPT_LENGTHS, model: str = "embedded ds4-tiny") -> dict:
+    m64 = ds4ref.load(model_path, numerics=numerics, dtype=np.float64)
+    m32 = ds4ref.load(model_path, numerics=numerics, dtype=np.float32)
     cases = []
-    for ids in golden_prompts(m64.config.vocab_size):
+    for ids in golden_prompts(m64.config.vocab_size, lengths):
         cases.append({"prompt": ids, "greedy": m64.generate(ids, NEW_TOKENS), "fingerprint": fingerprint(m64.score(ids)),
                       "float32": float32_case(m32, ids)})
-    return {"model": "embedded ds4-tiny", "numerics": numerics, "dtype": "float64",
+    return {"model": model, "numerics": numerics, "dtype": "float64",
             "float32": "canonical arithmetic, docs/exactness.md",
             "regenerate": "python -m tests.golden.make_golden", "cases": cases}
 
 
-def main() -> None:
+def make_policy(policy: str) -> dict:
+    path = policy_model(policy)
+    g = make("official", path, POLICY_PROMPT_LENGTHS,
+             model=f"python -m ds4ref.tiny --policy {policy} --seed {POLICY_SEED}")
+    g.update(policy=policy, model_sha256=file_sha256(path))
+    return g
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description="Rewrite tests/golden/*.json.")
+    ap.add_argument("only", nargs="*", help="official, plain, q2, q4, mxfp4 (default: all)")
+    only = set(ap.parse_args(argv).only) or {"official", "plain", *POLICIES}
     for numerics in ("official", "plain"):
-        path = HERE / f"tiny_{numerics}.json"
-        path.write_text(json.dumps(make(numerics)) + "\n")
-        print(f"wrote {path}")
+        if numerics in only:
+            path = HERE / f"tiny_{numerics}.json"
+            path.write_text(json.dumps(make(numerics)) + "\n")
+            print(f"wrote {path}")
+    for policy in POLICIES:
+        if policy in only:
+            path = HERE / f"tiny_{policy}_official.json"
+            path.write_text(json.dumps(make_policy(policy)) + "\n")
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
