@@ -474,18 +474,21 @@ HF_EXTRA_MISSING = ("python -m ds4ref.convert reads safetensors checkpoints with
                     "not installed: pip install 'ds4ref[hf]' (safetensors; torch for BF16 checkpoints)")
 
 
-def _with_progress(tensors: dict[str, Lazy]) -> dict[str, Lazy]:
-    """The same tensors, with one tick of a progress bar as each is read for writing."""
+def _with_progress(tensors: dict) -> dict:
+    """The same tensors (Lazy or LazyBlocks), with one tick of a progress bar as each is read."""
     from .progress import progress
 
     bar = progress(desc="converting", total=len(tensors), unit="tensor")
 
-    def ticking(lazy: Lazy) -> Lazy:
+    def ticking(lazy):
+        inner = lazy._load
+
         def load():
-            arr = lazy._load()
+            arr = inner()
             bar.update(1)
             return arr
-        return Lazy(lazy.shape, load)
+        lazy._load = load
+        return lazy
     return {name: ticking(t) for name, t in tensors.items()}
 
 

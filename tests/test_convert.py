@@ -243,6 +243,7 @@ def _tokenizer_json(meta: dict, drop_last: bool = False) -> dict:
 
 
 def test_tokenizer_converted(tmp_path, model, official_ck):
+    from ds4ref.convert import _looks_special
     from ds4ref.tokenizer import Tokenizer, tiny_tokenizer_meta
 
     cfg, _ = model
@@ -251,9 +252,14 @@ def test_tokenizer_converted(tmp_path, model, official_ck):
     (official_ck / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     convert(official_ck, tmp_path / "m.gguf")
     got = open_gguf(tmp_path / "m.gguf").metadata
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id"):
         assert got[key] == meta[key], key
+    # added tokens that look like `<｜…｜>` are CONTROL in the converted file, as llama.cpp's converter
+    # types them; the others keep the checkpoint's flag
+    want = [3 if k == 4 and _looks_special(t) else k
+            for t, k in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"])]
+    assert got["tokenizer.ggml.token_type"] == want
     assert got["tokenizer.chat_template"] == "{{ x }}"
     text = "Ada Lovelace wrote the first program."
     assert Tokenizer.from_gguf(got).encode(text) == Tokenizer.from_gguf(meta).encode(text)
