@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from ds4ref.hip import ops as g
 from ds4ref.reference import ops as ref
+from ds4ref.tiny import random_blocks
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32
@@ -111,26 +112,8 @@ def make_weight(seed, n, k, wtype):
     if wtype == "q8_0":
         raw = g.quantize_q8_0(w)
         return raw, g.dequantize_q8_0(raw)
-    raw = random_blocks(seed, n, k, wtype)
+    raw = random_blocks(np.random.default_rng(seed), wtype.upper(), (n, k), 1.0 / math.sqrt(k)).data
     return raw, g.dequantize(raw, wtype)
-
-
-def random_blocks(seed, n, k, wtype) -> np.ndarray:
-    """Random but valid GGUF blocks, (n, row bytes): random codes, finite f16 scales of
-    about 1/sqrt(k), E8M0 exponents near 2^-4 (MXFP4)."""
-    nbytes, per = g.BLOCK_QUANTS[wtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
-    scale = lambda: (rng.uniform(0.2, 1.0, (n, k // per)) / math.sqrt(k)).astype(np.float16).view(np.uint8)
-    if wtype == "q2_k":
-        raw[..., 80:82], raw[..., 82:84] = scale().reshape(n, -1, 2), scale().reshape(n, -1, 2)
-    elif wtype == "q4_k":
-        raw[..., 0:2], raw[..., 2:4] = scale().reshape(n, -1, 2), scale().reshape(n, -1, 2)
-    elif wtype == "iq2_xxs":
-        raw[..., 0:2] = scale().reshape(n, -1, 2)
-    else:
-        raw[..., 0] = rng.integers(118, 126, (n, k // per))
-    return raw.reshape(n, -1)
 
 
 QUANTS = ["q2_k", "q4_k", "iq2_xxs", "mxfp4"]
