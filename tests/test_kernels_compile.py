@@ -31,7 +31,7 @@ def test_kernel_compiles_with_exact_options(name):
         opts = [b"--gpu-architecture=sm_90", b"-std=c++17", *(o.encode() for o in NVRTC_EXACT)]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)  # not b" " * size: CPython shares the one-byte b" ", and NVRTC writes into it
         nvrtc.nvrtcGetProgramLog(prog, log)
         assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
     finally:
@@ -50,3 +50,19 @@ def test_iq2xxs_grid_header_is_gguf_pys():
     codes = np.array([[(w >> (2 * e)) & 3 for e in range(8)] for w in words])
     quants.IQ2_XXS.init_grid()
     assert np.array_equal(np.array([8.0, 25.0, 43.0])[codes], quants.IQ2_XXS.grid.reshape(256, 8))
+
+
+def test_compile_logs_leave_python_bytes_alone():
+    """Regression: a log buffer made as b" " * 1 is CPython's shared b" "; NVRTC wrote its NUL
+    into it and every b" " in the process became b"\\x00" (the tokenizer's streaming broke)."""
+    from ds4ref.hip.runtime import CudaRuntime
+    rt = object.__new__(CudaRuntime)  # only the compile-log path, which needs no driver
+    rt.nvrtc = nvrtc
+    prog = nvrtc.nvrtcCreateProgram(load_source("rope.hip").encode(), b"rope.hip", 0, [], [])[1]
+    try:
+        opts = [b"--gpu-architecture=sm_90"]
+        assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        assert rt._log(prog).strip("\x00 ") == ""
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    assert b" " == bytes([32]) and " ".encode() == bytes([32])

@@ -322,8 +322,9 @@ class CudaRuntime(Runtime):
             if _status(res[0]) != 0:
                 raise GpuError(f"cuda: nvrtcCompileProgram({name}) failed:\n{self._log(prog)}")
             size = self._check(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            cubin = b" " * size
+            cubin = bytearray(size)  # a fresh buffer: `b" " * n` can be an interned object NVRTC would write into
             self._check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            cubin = bytes(cubin)
         finally:
             nv.nvrtcDestroyProgram(prog)
         handle = self._check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
@@ -332,7 +333,7 @@ class CudaRuntime(Runtime):
     def _log(self, prog) -> str:
         nv = self.nvrtc
         size = self._check(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
+        log = bytearray(size)  # never `b" " * size`: for size 1 that is CPython's shared b" ", and NVRTC writes into it
         self._check(nv.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
         return log.decode(errors="replace")
 
