@@ -1,4 +1,5 @@
-"""`--backend hip` serves the openai client: the same greedy text as the NumPy server.
+"""`--backend hip` serves the openai client: the same greedy text as the NumPy server, for the
+embedded model and for the tiny file in the published q2 policy (IQ2_XXS / Q2_K experts).
 
 Runs only where a GPU runtime opens (marker gpu); elsewhere skipped with the reason.
 """
@@ -17,10 +18,15 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [f"Client {i} asks about pages and lanes" + "." * i for i in range(16)]
 
 
-@pytest.fixture(scope="module")
-def servers(rt):
-    with LiveServer(backend="hip", max_concurrency=16, max_context=512) as hip, \
-            LiveServer(backend="numpy", max_concurrency=16, max_context=512) as ref:
+@pytest.fixture(scope="module", params=["embedded", "q2"])
+def servers(rt, request):
+    from tests.golden.make_golden import policy_model
+    path = None if request.param == "embedded" else str(policy_model(request.param))
+    name = "ds4-tiny"
+    with LiveServer(model_path=path, backend="hip", max_concurrency=16, max_context=512,
+                    served_model_name=name) as hip, \
+            LiveServer(model_path=path, backend="numpy", max_concurrency=16, max_context=512,
+                       served_model_name=name) as ref:
         yield hip, ref
 
 
