@@ -286,6 +286,7 @@ def _weighted_streams(pre: np.ndarray, streams: np.ndarray) -> np.ndarray:
 
 @numba.njit(cache=True)
 def _normalise_rows(m, eps):
+    """m[i, :] /= (sum in order of m[i, :]) + eps; columns through m.T."""
     for i in range(m.shape[0]):
         s = _ZERO
         for j in range(m.shape[1]):
@@ -296,8 +297,9 @@ def _normalise_rows(m, eps):
 
 
 @numba.njit(cache=True)
-def _sinkhorn(c, iters, eps):
-    """Column normalisation first, then iters-1 rounds of rows then columns, all float32."""
+def sinkhorn(c, iters, eps):
+    """Column normalisation first, then iters-1 rounds of rows then columns, in c's dtype
+    (float32 here; the float64 reference runs the same loops)."""
     out = c.copy()
     for t in range(c.shape[0]):
         m = out[t]
@@ -317,7 +319,7 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
     logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
     e = exp(logits - np.max(logits, axis=-1, keepdims=True))
     comb = e / seqsum(e[..., j:j + 1] for j in range(hc)) + eps
-    comb = _sinkhorn(np.ascontiguousarray(comb), int(iters), eps)
+    comb = sinkhorn(np.ascontiguousarray(comb), int(iters), eps)
     return _weighted_streams(pre, streams), post, comb
 
 

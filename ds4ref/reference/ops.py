@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
 from . import canon
@@ -189,31 +188,6 @@ def qat(v: np.ndarray, h: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
-def _normalise_rows(m: np.ndarray, eps: float) -> None:
-    """m[i, :] /= (sum_j m[i, j] + eps), summing left to right; columns via m.T."""
-    for i in range(m.shape[0]):
-        s = 0.0
-        for j in range(m.shape[1]):
-            s += m[i, j]
-        d = s + eps
-        for j in range(m.shape[1]):
-            m[i, j] = m[i, j] / d
-
-
-@numba.njit(cache=True)
-def _sinkhorn(c: np.ndarray, iters: int, eps: float) -> np.ndarray:
-    """Column normalisation first, then iters-1 rounds of row + column; c is (N, hc, hc)."""
-    out = c.copy()
-    for t in range(c.shape[0]):
-        m = out[t]
-        for it in range(iters):
-            if it > 0:
-                _normalise_rows(m, eps)
-            _normalise_rows(m.T, eps)
-    return out
-
-
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
     e = np.exp(x - m)
@@ -242,7 +216,7 @@ def hc_pre(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndar
     post = 2.0 * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = m[:, 2 * hc:] * scale[2] + base[2 * hc:]
     comb = softmax(logits.reshape(n, hc, hc), axis=-1) + m.dtype.type(hc_eps)
-    comb = _sinkhorn(comb, iters, hc_eps)
+    comb = canon.sinkhorn(comb, iters, hc_eps)
     u = np.einsum("nk,nkd->nd", pre, streams)
     return u, post, comb
 
