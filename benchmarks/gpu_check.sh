@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one device run: build every kernel, check the GPU path bit for bit against the
-# NumPy reference, and time it. Run it on the GPU machine with carry [".whl"] (the wheels
-# of benchmarks/device_wheels.txt; fetch them with benchmarks/fetch_device_wheels.sh):
+# NumPy reference, and time it. Run it on the GPU machine with carry [".whl", ".golden_cache"]
+# (the wheels of benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh; the
+# tiny policy files this machine's test run wrote, copied from $DS4REF_GOLDEN_CACHE):
 #   bash benchmarks/gpu_check.sh
 # STAGES picks any of build,ops,backend,golden,serve,decode (default: all). Logs and
 # tables land under $OUT, which the device tool brings back.
