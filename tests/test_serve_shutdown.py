@@ -2,6 +2,7 @@
 has no tracebacks, the process dies by the signal, and a second signal forces it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -76,18 +77,25 @@ def assert_clean_ends(ends: list) -> None:
             assert json.loads(text)["error"]["code"] == "aborted"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_under_load_ends_every_request_cleanly(sig):
-    p, url = start_server(grace_s=0.5)
+@contextlib.contextmanager
+def four_requests_running(grace_s: float):
+    """A server with four requests in flight; killed on the way out if it is still alive."""
+    p, url = start_server(grace_s=grace_s)
     try:
         clients = Clients(url)
         wait_for(lambda: running(url) == 4, p)
-        p.send_signal(sig)
-        p.wait(timeout=30)
-        ends = clients.join()
+        yield p, clients
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_under_load_ends_every_request_cleanly(sig):
+    with four_requests_running(grace_s=0.5) as (p, clients):
+        p.send_signal(sig)
+        p.wait(timeout=30)
+        ends = clients.join()
     err = p.stderr.read()
     assert p.returncode == -sig
     assert_clean_ends(ends)
@@ -96,10 +104,7 @@ def test_signal_under_load_ends_every_request_cleanly(sig):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_forces_the_exit(sig):
-    p, url = start_server(grace_s=60)
-    try:
-        clients = Clients(url)
-        wait_for(lambda: running(url) == 4, p)
+    with four_requests_running(grace_s=60) as (p, clients):
         p.send_signal(sig)
         time.sleep(0.5)
         assert p.poll() is None  # within its grace period: the requests could still finish
@@ -108,9 +113,6 @@ def test_a_second_signal_forces_the_exit(sig):
         p.wait(timeout=30)
         forced_in = time.monotonic() - t0
         ends = clients.join()
-    finally:
-        if p.poll() is None:
-            p.kill()
     assert p.returncode == -sig
     assert forced_in < 10  # not the 60 s grace period
     assert_clean_ends(ends)
