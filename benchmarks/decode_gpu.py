@@ -1,11 +1,16 @@
-"""Decode step time of HipBackend on a Flash-shaped model with random bf16 weights.
+"""Decode step time of HipBackend on Flash-shaped models with random weights.
 
-    python benchmarks/decode_gpu.py --out /tmp/perf_decode_gpu.md
+    python benchmarks/decode_gpu.py --out /tmp/perf_decode_gpu.md          # 8 layers, bf16
+    python benchmarks/decode_gpu.py --full --out /tmp/perf_full.md          # 43 layers, q2 policy
 
 The model: hidden 4096, 64 heads x 512 (64 rotary), q_lora 1024, 8 output groups x 1024,
-indexer 64 heads x 128 top-512, window 128, hc 4, 8 layers with ratios 0,0,4,128,4,128,4,128,
-32 experts top-6 (ff 2048) + 1 shared, vocab 129280. The weights are generated on the GPU
-(never on the host). History: the slots' positions are set to the context length over
+indexer 64 heads x 128 top-512, window 128, hc 4, 256 experts top-6 (ff 2048) + 1 shared,
+vocab 129280. Default: 8 layers with ratios 0,0,4,128,4,128,4,128, every matrix bf16.
+--full: Flash itself, 43 layers (0,0, then 4/128 alternating), stored as the published q2
+files store it: IQ2_XXS gate/up and Q2_K down experts, Q8_0 attention, shared expert and
+output, F16 embedding, HC, compressor, indexer and router (tiny.POLICIES, tiny_dtypes).
+The weights are generated on the GPU (never on the host; the q2 blocks are tiled from
+host-made templates of valid blocks). History: the slots' positions are set to the context length over
 zeroed pages, so every step reads the full visible history (timing does not depend on
 the values). Times: one decode pass of C rows (one per slot), graph replay, GPU events,
 median of the repeats; "step" adds the host side (lane upload, argmax download).
@@ -33,14 +38,16 @@ from ds4ref.reference.layers import Tables  # noqa: E402
 from ds4ref.tiny import tiny_config  # noqa: E402
 
 GFX1151_GBS = 212.0
+# The upstream PR's own decode figures on Strix Halo (gfx1151), q2 Flash, tok/s at C = 1, 8, 16.
+SEED_STRIX_TOKS = {1: 10.50, 8: 25.88, 16: 24.43}
 
 
-def flash_config():
+def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65536):
     return dataclasses.replace(
-        tiny_config(n_layer=8), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512, n_rot=64,
-        q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=32, n_expert_used=6, n_expert_shared=1,
-        expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128, indexer_top_k=512,
-        compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128), context_length=8192, name="flash-shaped-8L")
+        tiny_config(n_layer=n_layer), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512,
+        n_rot=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=n_expert, n_expert_used=6,
+        n_expert_shared=1, expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
+        indexer_top_k=512, context_length=context_length, name=f"flash-shaped-{n_layer}L")
 
 
 def copy_bandwidth(rt, nbytes: int = 1 << 30) -> float:
@@ -164,15 +171,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--ctx", default="256,4096")
     ap.add_argument("--lanes", default="1,4,8,16")
+    ap.add_argument("--full", action="store_true", help="43 layers in the q2 policy (about 87 GB)")
+    ap.add_argument("--experts", type=int, default=256, help="routed experts of the 8-layer bf16 model")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON (for docs/ plots)")
     args = ap.parse_args()
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.device_weights import DeviceWeights
     from ds4ref.hip.guards import open_device
     t0 = time.time()
     rt = open_device()
-    cfg = flash_config()
+    if args.full:
+        cfg = flash_config(43, 256, 1048576)
+        dw = DeviceWeights.random_policy(rt, cfg, "q2")
+        what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
+    else:
+        cfg = flash_config(8, args.experts)
+        dw = DeviceWeights.random_flash(rt, cfg)
+        what = f"Flash-shaped 8-layer model, every matrix bf16, {cfg.n_expert} experts top-6"
     model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
-    dw = DeviceWeights.random_flash(rt, cfg)
     print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
     bw = copy_bandwidth(rt)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -181,18 +197,21 @@ def main() -> None:
     lanes = [int(x) for x in args.lanes.split(",")]
     pages_per_slot = -(-(max(ctxs) + args.reps + 8) // 128)
     backend.configure(16, 16 * pages_per_slot)
-    lines = []
+    lines, records = [], []
     for ctx in ctxs:
         for C in lanes:
             gpu_ms, step_ms = bench_case(backend, cfg, C, ctx, args.reps)
             nbytes = weight_bytes(dw, cfg, C) + history_bytes(cfg, ctx, C)
             floor_ms = nbytes / bw * 1e3
             gfx_ms = nbytes / (GFX1151_GBS * 1e9) * 1e3
+            seed = f"{SEED_STRIX_TOKS[C]:.2f}" if args.full and C in SEED_STRIX_TOKS and ctx == ctxs[0] else ""
             line = (f"| {ctx} | {C} | {gpu_ms:.2f} | {step_ms:.2f} | {C / (step_ms * 1e-3):.0f} | "
                     f"{nbytes / 1e9:.2f} | {floor_ms:.3f} | {floor_ms / gpu_ms:.1%} | {gfx_ms:.1f} | "
-                    f"{C / (gfx_ms * 1e-3):.0f} |")
+                    f"{C / (gfx_ms * 1e-3):.0f} | {seed} |")
             print(line, flush=True)
             lines.append(line)
+            records.append(dict(ctx=ctx, C=C, pass_ms=gpu_ms, step_ms=step_ms, tok_s=C / (step_ms * 1e-3),
+                                bytes=nbytes, floor_ms=floor_ms, gfx1151_floor_ms=gfx_ms))
     prof = []
     for C in sorted({lanes[0], lanes[-1]}):  # per-kernel profile at the smallest and largest C
         try:
@@ -204,16 +223,20 @@ def main() -> None:
             print(f"profile failed: {type(exc).__name__}: {exc}")
     note = transformers_note()
     print(note)
+    if args.json:
+        import json
+        Path(args.json).write_text(json.dumps(dict(model=what, gib=dw.bytes / 2**30, copy_gbs=bw / 1e9,
+                                                   device=rt.info.name, rows=records), indent=1))
     text = "\n".join([
-        f"Flash-shaped 8-layer model ({cfg.n_embd} hidden, 64x512 heads, 32 experts top-6, vocab 129280), "
-        f"random bf16 weights made on the GPU ({dw.bytes / 2**30:.1f} GiB); {rt.info.name}; "
+        f"{what} ({cfg.n_embd} hidden, 64x512 heads, vocab 129280), "
+        f"random weights made on the GPU ({dw.bytes / 2**30:.1f} GiB); {rt.info.name}; "
         f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write). One graph capture served every row "
         f"(capture_count = {backend.capture_count}). Generated by `benchmarks/decode_gpu.py` in "
         f"{time.time() - t0:.0f} s.",
         "",
         "| context | C | pass ms (graph, GPU) | step ms (host incl.) | tok/s | GB read | floor ms | floor / pass | "
-        "gfx1151 floor ms (212 GB/s) | gfx1151 tok/s at floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "gfx1151 floor ms (212 GB/s) | gfx1151 tok/s at floor | seed PR, Strix Halo tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *lines, "", note, "",
         f"Where the time goes (per-kernel GPU time, kernels run back to back):", *prof, ""])
     Path(args.out).write_text(text)

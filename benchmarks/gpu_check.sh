@@ -4,12 +4,12 @@
 # (the wheels of benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh; the
 # tiny policy files this machine's test run wrote, copied from $DS4REF_GOLDEN_CACHE):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of build,ops,backend,golden,serve,decode (default: all). Logs and
+# STAGES picks any of build,ops,backend,golden,serve,decode,full (default: all). Logs and
 # tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
-STAGES=${STAGES:-build,ops,backend,golden,serve,decode}
+STAGES=${STAGES:-build,ops,backend,golden,serve,decode,full}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
 export PYTHONPATH=$PWD
@@ -72,9 +72,14 @@ if has serve; then
   timeout 150 $PYTEST -m gpu tests/gpu/test_serve_hip.py 2>&1 | tee "$OUT/serve.log" || rc=1
 fi
 if has decode; then
-  stage "decode benchmark (8-layer Flash-shaped bf16)"
-  timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" ${DECODE_ARGS:-} 2>&1 \
-    | tee "$OUT/decode.log" || rc=1
+  stage "decode benchmark (8-layer Flash-shaped bf16, 256 experts)"
+  timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" \
+    --json "$OUT/perf_decode_gpu.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
+fi
+if has full; then
+  stage "decode benchmark (Flash, 43 layers, q2 policy)"
+  timeout ${FULL_TIMEOUT:-240} python3 benchmarks/decode_gpu.py --full --ctx 256,4096,32768 \
+    --out "$OUT/perf_full_gpu.md" --json "$OUT/perf_full_gpu.json" ${FULL_ARGS:-} 2>&1 | tee "$OUT/full.log" || rc=1
 fi
 stage "done rc=$rc"
 exit $rc

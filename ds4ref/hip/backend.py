@@ -48,7 +48,7 @@ class Recorder:
     not run, so the same list runs eagerly or is captured into a graph."""
 
     def __init__(self, rt):
-        self.rt, self.ops = rt, []
+        self.rt, self.ops, self.info = rt, [], rt.info
 
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         self.ops.append((kernel, tuple(grid), tuple(block), tuple(args), shared))
@@ -224,7 +224,8 @@ class HipBackend:
             "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
             "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
         }
-        i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1}
+        i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
+               "elist": -(-K.expert_list_ints(c.n_expert, kk) // L)}
         # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
         ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols) for t in self.w.mats.values()] + [1])
         f32["ksplit"] = -(-ksf // L)
@@ -446,6 +447,8 @@ class HipBackend:
         rec.launch(K.kernel(rec, "moe", "ds4_route"), (L,), (256,),
                    (ws["rlog"], bias, hid, I32(c.n_expert), I32(kk), F32(c.expert_weights_scale),
                     I32(1 if c.expert_weights_norm else 0), ws["ids"], ws["rw"]))
+        rec.launch(ko("step_expert_list"), (1,), (256,),
+                   (ws["ids"], st.lane("slot"), I32(kk), I32(c.n_expert), ws["elist"]))
         ff = c.expert_ff
         self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"])
         self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"])
@@ -467,11 +470,9 @@ class HipBackend:
     def _experts(self, rec, name, x, per_choice, y) -> None:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
-        ko = rec.compile_file("step_ops.hip").kernel
         r = EXPERT_RPW if t.wtype in ("bf16",) or EXPERT_RPW <= 2 else 2
-        rec.launch(ko(f"step_experts3_{t.wtype}_r{r}"), (_blocks(N, 8 * r), E), (256,),
-                   (t.buf, x, I32(per_choice), self._ws["ids"], self.state.lane("slot"), y, I32(N), I32(Kc),
-                    I32(self.cfg.n_expert_used)))
+        K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,
+                                self.cfg.n_expert_used)
 
     def _head(self, rec) -> None:
         c, ws = self.cfg, self._ws

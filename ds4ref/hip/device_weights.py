@@ -6,8 +6,9 @@ kernels read exactly the bytes the file holds; weights not from a GGUF file go u
 as f32. Vectors (norms, biases, HC scalars, sinks, compressor position biases) go
 up as f32, already dequantised (exact). The routing hash table goes up as int32.
 
-`random_flash` builds a Flash-shaped model straight on the device for the
-benchmark: the large matrices are filled by a kernel, never held on the host.
+`random_flash` (bf16) and `random_policy` (a published file's type policy) build a
+Flash-shaped model straight on the device for the benchmark: the large matrices are
+filled by a kernel, never held on the host.
 """
 from __future__ import annotations
 
@@ -124,6 +125,62 @@ class DeviceWeights:
                 self.bytes += 2 * n
         rt.synchronize()
         return self
+
+
+    @classmethod
+    def random_policy(cls, rt, config, policy: str = "q2", seed: int = 0, template_bytes: int = 8 << 20):
+        """Random weights stored as a published file stores them (tiny.POLICIES for the
+        routed experts, tiny_dtypes for the rest). The host makes one template of valid rows
+        per (tensor kind, width), at most `template_bytes`, with the std the tiny model's init
+        gives; each tensor is tiled from it on the device, row i taking a hashed template row."""
+        from ..tiny import POLICIES, _EXPERTS, _random_tensor, tiny_dtypes
+        self = cls(rt, config)
+        tile = rt.compile_file("step_ops.hip").kernel("step_tile_rows")
+        dtypes = tiny_dtypes(config)
+        gate_up, down = POLICIES[policy]
+        templates: dict[tuple, tuple] = {}
+        for i, (name, shape) in enumerate(tensor_shapes(config).items()):
+            suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+            rng = np.random.default_rng([seed, i])
+            if is_int_tensor(name) or is_vector(name, shape):
+                self._put_vec(name, _random_tensor(rng, config, suffix, tuple(shape)))
+                continue
+            qtype = (down if suffix == "ffn_down_exps.weight" else gate_up) if suffix in _EXPERTS else \
+                dtypes.get(name, "f32").upper()
+            key = (suffix, qtype, shape[-1])
+            if key not in templates:
+                templates[key] = _template(rt, config, suffix, qtype, int(shape[-1]), template_bytes, seed)
+            tmpl, n_tmpl, row_bytes = templates[key]
+            rows = int(np.prod(shape[:-1]))
+            buf = rt.malloc(rows * row_bytes)
+            rt.launch(tile, (8192,), (256,), (buf, np.int64(rows), np.int32(row_bytes // 4), tmpl,
+                                               np.int32(n_tmpl), np.uint64(seed * 1000003 + i)))
+            self.mats[name] = DeviceTensor(buf, _GGML_TO_WTYPE[qtype], tuple(shape))
+            self.bytes += rows * row_bytes
+        rt.synchronize()
+        for tmpl, _, _ in templates.values():
+            tmpl.free()
+        return self
+
+
+def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, seed: int):
+    """(device buffer, rows, bytes per row) of valid `qtype` rows `cols` wide."""
+    import gguf
+    from ..gguf_io import encode_tensor
+    from ..tiny import _random_tensor, random_blocks
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    row_bytes = cols // block * size
+    if row_bytes % 4:
+        raise ValueError(f"{suffix}: {qtype} rows of {cols} are {row_bytes} bytes, not whole 32-bit words")
+    rows = max(1, min(4096, max_bytes // row_bytes))
+    rng = np.random.default_rng([seed, cols, len(suffix)])
+    values = _random_tensor(rng, config, suffix, (rows, cols))
+    if qtype in ("IQ2_XXS", "Q2_K", "Q4_K", "MXFP4"):
+        data = random_blocks(rng, qtype, (rows, cols), float(values.std())).data
+    else:
+        data, _ = encode_tensor(suffix, values, qtype.lower())
+    data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, row_bytes)
+    return rt.upload(data), rows, row_bytes
 
 
 def _gain(suffix: str) -> float:

@@ -682,8 +682,28 @@ def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
     return y[0] if squeeze else y
 
 
+EL_STRIDE = 2 + MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 pairs
+
+
+def expert_list_ints(n_expert: int, kk: int) -> int:
+    """int32s of step_expert_list's output: the count, then one entry per expert a pass can choose."""
+    return 1 + min(n_expert, MAX_LANES * kk) * EL_STRIDE
+
+
+def expert_blocks(rt) -> int:
+    """The routed-expert kernel's fixed grid: a few resident blocks per multiprocessor, each
+    walking work items, so the grid never depends on how many experts exist."""
+    return 4 * max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
+
+
+def launch_routed_experts(rt, wbuf, wtype: str, r: int, x, per_choice: int, elist, y, N: int, K: int,
+                          kk: int) -> None:
+    kern = rt.compile_file("step_ops.hip").kernel(f"step_experts3_{wtype}_r{r}")
+    rt.launch(kern, (expert_blocks(rt),), (256,), (wbuf, x, I32(per_choice), elist, y, I32(N), I32(K), I32(kk)))
+
+
 def routed_experts(w, wtype: str, x, ids, rt=None):
-    """The backend's routed-expert kernel: w (E, N, row bytes or K), x (L, K) or (L, kk, K) (one
+    """The backend's routed-expert kernels: w (E, N, row bytes or K), x (L, K) or (L, kk, K) (one
     input per choice), ids (L, kk) -> y (L, kk, N) = W[ids[l, t]] @ x, every lane valid."""
     rt = _rt(rt)
     x, ids = _f32(x), np.ascontiguousarray(ids, np.int32)
@@ -701,9 +721,11 @@ def routed_experts(w, wtype: str, x, ids, rt=None):
     r = 2 if N >= 16 else 1
     with _Scope(rt) as s:
         y = s.out((MAX_LANES, kk, N))
-        rt.launch(rt.compile_file("step_ops.hip").kernel(f"step_experts3_{wtype}_r{r}"), (_blocks(N, 8 * r), E),
-                  (256,), (s.up(np.ascontiguousarray(w)), s.up(xs), I32(1 if per_choice else 0), s.up(ids16),
-                           s.up(slots), y, I32(N), I32(K), I32(kk)))
+        elist = s.out((expert_list_ints(E, kk),), I32)
+        rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
+                  (s.up(ids16), s.up(slots), I32(kk), I32(E), elist))
+        launch_routed_experts(rt, s.up(np.ascontiguousarray(w)), wtype, r, s.up(xs), 1 if per_choice else 0,
+                              elist, y, N, K, kk)
         return s.get(y, (MAX_LANES, kk, N))[:L]
 
 

@@ -206,7 +206,7 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 #define MV3_STG 4  // float4 staging loads a thread keeps in flight per batch (8 would need ~174
                    // registers for bf16 r2 with the weight group also in flight: one block per SM)
 
-// Rows row0.. of one matrix (Wb: its first byte, rb bytes per row) over columns
+// Rows of row block rblk (8*R rows) of one matrix (Wb: its first byte, rb bytes per row) over columns
 // [cbeg, cbeg + clen) for na active inputs: xrow[a] is input a's row (column 0),
 // y[ybase[a] + r] receives row r's dot for input a. xrow/ybase live in shared memory
 // and are written before the first barrier here.
@@ -223,10 +223,10 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 template <int WT, int R, int U>
 __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int cbeg, int clen,
                                          int na, const float* const* xrow, const long long* ybase,
-                                         float* __restrict__ y, float4* xs4) {
+                                         float* __restrict__ y, float4* xs4, int rblk) {
     float* xs = (float*)xs4;
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int row0 = blockIdx.x * (MV3_WARPS * R) + warp * R;
+    int row0 = rblk * (MV3_WARPS * R) + warp * R;
     int KC = (MV3_XS / na) / 256 * 256;  // >= 512 for na <= 16; a multiple of 256 (see swizzle)
     float acc[R][MV_LANES];
 #pragma unroll

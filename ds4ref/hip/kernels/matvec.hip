@@ -264,7 +264,7 @@ __device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K
         ybase[threadIdx.x] = (long long)threadIdx.x * ldy + (long long)g * N;
     }
     long long rb = mv3_row_bytes(WT, K);
-    mv3_rows<WT, R, U>(W + (long long)g * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4);
+    mv3_rows<WT, R, U>(W + (long long)g * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4, blockIdx.x);
 }
 
 // Fixed K-split for matrices with few rows and long rows (hc projections, router):
@@ -285,7 +285,7 @@ __device__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int
         ybase[threadIdx.x] = ((long long)z * MV_LANES + threadIdx.x) * N;
     }
     int cbeg = z * KS, clen = K - cbeg < KS ? K - cbeg : KS;
-    mv3_rows<WT, R, U>(W, mv3_row_bytes(WT, K), N, cbeg, clen, na, xrow, ybase, part, xs4);
+    mv3_rows<WT, R, U>(W, mv3_row_bytes(WT, K), N, cbeg, clen, na, xrow, ybase, part, xs4, blockIdx.x);
 }
 
 extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, float* __restrict__ y, int N, int L,

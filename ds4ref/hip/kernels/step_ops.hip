@@ -63,51 +63,84 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 
 // ---- routed experts --------------------------------------------------------
 // y[l, t, :] = W[e] @ x_l for every valid lane l whose t-th selected expert is e.
-// Grid (row blocks of 8*R, E): the block for expert e finds the lanes that chose it,
-// stages their inputs and reads each weight row once for all of them. Blocks of
-// experts nobody chose return at once. x_l = x[l] (gate/up) or x[l, t] (down,
-// x_per_choice). A lane's sum runs over columns in a fixed order, so its result
-// never depends on the other lanes.
-// The kernel runs matvec v3's body (ds4_mv3.h): swizzled staging, R rows per warp,
-// R*U raw weight loads in flight. Thread 0 lists the (lane, choice) pairs that chose
-// expert e, in lane order; each pair's column order and operation sequence are the dense
-// matvec's, so a lane's result never depends on which other lanes chose e.
-template <int WT, int R, int U>
-__device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
-                         const int* __restrict__ ids, const int* __restrict__ slot, float* __restrict__ y,
-                         int N, int K, int kk) {
-    __shared__ float4 xs4[MV3_XS / 4];
-    __shared__ const float* xrow[SO_LANES];
-    __shared__ long long ybase[SO_LANES];
-    __shared__ int n_act;
-    int e = blockIdx.y;
-    if (threadIdx.x == 0) {
+// The work is sized by the experts the pass chose, never by the experts that exist:
+// step_expert_list turns the routing ids into a list of chosen experts, each with its
+// (lane, choice) pairs in lane order, and the expert kernel's fixed grid of blocks
+// walks (chosen expert, row block) work items. With 256 experts a pass of one row
+// chooses 6, so 250 experts' weights are neither read nor visited.
+// List layout (int32): [0] = number of chosen experts n; entry u (0 <= u < n) at
+// 1 + u * EL_STRIDE = {expert id, pair count, lt_0 .. lt_{count-1}} with lt = l*kk + t,
+// experts in ascending id order.
+#define EL_STRIDE (2 + SO_LANES)
+
+// One block of 256 threads; E <= 1024.
+extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int kk,
+                                            int E, int* __restrict__ list) {
+    __shared__ int cnt[1024];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int c = 0;
         for (int l = 0; l < SO_LANES; ++l) {
             if (slot[l] < 0) continue;
             for (int t = 0; t < kk; ++t)
-                if (ids[l * kk + t] == e) {
-                    long long lt = (long long)l * kk + t;
-                    xrow[c] = x + (x_per_choice ? lt : (long long)l) * K;
-                    ybase[c] = lt * N;
-                    ++c;
-                    break;
-                }
+                if (ids[l * kk + t] == e) { ++c; break; }
         }
-        n_act = c;
+        cnt[e] = c;
     }
     __syncthreads();
-    int na = n_act;
-    if (na == 0) return;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        if (cnt[e] == 0) continue;
+        int u = 0;  // rank among the chosen: ascending expert id
+        for (int j = 0; j < e; ++j) u += cnt[j] > 0 ? 1 : 0;
+        int* ent = list + 1 + u * EL_STRIDE;
+        ent[0] = e;
+        ent[1] = cnt[e];
+        int c = 0;
+        for (int l = 0; l < SO_LANES; ++l) {
+            if (slot[l] < 0) continue;
+            for (int t = 0; t < kk; ++t)
+                if (ids[l * kk + t] == e) { ent[2 + c++] = l * kk + t; break; }
+        }
+    }
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int e = 0; e < E; ++e) n += cnt[e] > 0 ? 1 : 0;
+        list[0] = n;
+    }
+}
+
+// Grid (any number of blocks): block b takes work items b, b + gridDim.x, ... of
+// n_chosen * row_blocks, item w = (chosen expert w / row_blocks, row block w % row_blocks),
+// so consecutive blocks read consecutive rows of one expert. x_l = x[l] (gate/up) or
+// x[l, t] (down, x_per_choice). Each item runs matvec v3's body (ds4_mv3.h) over the
+// expert's pairs in lane order: a pair's column order and operation sequence are the dense
+// matvec's, so a lane's result never depends on which other lanes chose the expert.
+template <int WT, int R, int U>
+__device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
+                         const int* __restrict__ list, float* __restrict__ y, int N, int K, int kk) {
+    __shared__ float4 xs4[MV3_XS / 4];
+    __shared__ const float* xrow[SO_LANES];
+    __shared__ long long ybase[SO_LANES];
+    int n_items = list[0] * ((N + MV3_WARPS * R - 1) / (MV3_WARPS * R));
+    int rblocks = (N + MV3_WARPS * R - 1) / (MV3_WARPS * R);
     long long rb = mv3_row_bytes(WT, K);
-    mv3_rows<WT, R, U>(W + (long long)e * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4);
+    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+        const int* ent = list + 1 + (w / rblocks) * EL_STRIDE;
+        int na = ent[1];
+        __syncthreads();  // the previous item no longer reads xrow / ybase
+        if (threadIdx.x < na) {
+            long long lt = ent[2 + threadIdx.x];
+            xrow[threadIdx.x] = x + (x_per_choice ? lt : lt / kk) * K;
+            ybase[threadIdx.x] = lt * N;
+        }
+        mv3_rows<WT, R, U>(W + (long long)ent[0] * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4, w % rblocks);
+    }
 }
 
 #define STEP_EXPERTS3(NAME, WT, R, U)                                                                 \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                               \
-        NAME(const ds4_u8* W, const float* x, int x_per_choice, const int* ids, const int* slot,     \
-             float* y, int N, int K, int kk) {                                                        \
-        ex3_body<WT, R, U>(W, x, x_per_choice, ids, slot, y, N, K, kk);                               \
+        NAME(const ds4_u8* W, const float* x, int x_per_choice, const int* list, float* y, int N,    \
+             int K, int kk) {                                                                         \
+        ex3_body<WT, R, U>(W, x, x_per_choice, list, y, N, K, kk);                                    \
     }
 
 STEP_EXPERTS3(step_experts3_f32_r1, WT_F32, 1, 4)
@@ -161,6 +194,26 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
         float acc = 0.0f;
         for (int k = 0; k < hc; ++k) acc += pre[k] * f[(long long)k * d + e];
         out[(long long)l * d + e] = acc;
+    }
+}
+
+__device__ __forceinline__ ds4_u64 so_mix(ds4_u64 z) {  // splitmix64's finaliser
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Benchmark weights in any stored encoding, made on the device: row i of `out` is row
+// so_mix(seed + i) % n_tmpl of a host-made template of valid rows (so every block is one
+// the host's quantiser or random_blocks wrote). Rows are row_words 32-bit words.
+extern "C" __global__ void step_tile_rows(ds4_u32* out, long long rows, int row_words, const ds4_u32* tmpl,
+                                          int n_tmpl, ds4_u64 seed) {
+    long long n = rows * row_words;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / row_words;
+        ds4_u64 t = so_mix(seed + (ds4_u64)r * 0x9E3779B97F4A7C15ull) % (ds4_u64)n_tmpl;
+        out[i] = tmpl[t * row_words + (i - r * row_words)];
     }
 }
 
