@@ -157,26 +157,28 @@ def bench_matvecs(b, L):
 
 
 def bench_experts(b, L):
-    """The routed-expert kernel (backend's step_experts3) at Flash-slice dims: 32 experts of
-    2048 x 4096 (gate/up) and 4096 x 2048 (down), bf16, top-6 distinct random ids per lane."""
+    """The routed-expert kernels (the backend's step_expert_list + step_experts3) at Flash dims:
+    256 experts of 2048 x 4096 (gate/up) and 4096 x 2048 (down), bf16, top-6 distinct random
+    ids per lane; only the chosen experts' bytes are counted."""
     rt = b.rt
-    E, kk, ff, d = 32, 6, 2048, 4096
+    E, kk, ff, d = 256, 6, 2048, 4096
     ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(16)]).astype(I32)
     slot = np.where(np.arange(16) < L, np.arange(16), -1).astype(I32)
     ko = rt.compile_file("step_ops.hip").kernel
     idb, slb = b.up(ids), b.up(slot)
+    elist = b.out((g.expert_list_ints(E, kk),), I32)
     one = g.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
-    for name, N, K, per_choice in (("experts gate bf16 32x2048x4096", ff, d, 0),
-                                   ("experts down bf16 32x4096x2048", d, ff, 1)):
+    for name, N, K, per_choice in (("experts gate bf16 256x2048x4096", ff, d, 0),
+                                   ("experts down bf16 256x4096x2048", d, ff, 1)):
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
         x = b.up(b.rnd(16 * kk if per_choice else 16, K))
         y = b.out((16 * kk, N))
         touched = len(np.unique(ids[:L]))
         for r in EXPERT_RPWS:
-            b.add(f"{name} [v3 r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N),
-                  [lambda r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb: rt.launch(
-                      ko(f"step_experts3_bf16_r{r}"), (g._blocks(N, 8 * r), E), (256,),
-                      (wb, x, I32(pc), idb, slb, y, I32(N), I32(K), I32(kk)))],
+            def run(r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb):
+                rt.launch(ko("step_expert_list"), (1,), (256,), (idb, slb, I32(kk), I32(E), elist))
+                g.launch_routed_experts(rt, wb, "bf16", r, x, pc, elist, y, N, K, kk)
+            b.add(f"{name} [v3 r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N), [run],
                   f"{touched} experts touched")
 
 
@@ -243,7 +245,7 @@ def bench_small(b, L):
     R = L * Hi
 
     def qat():
-        rt.launch(k_had, (g._blocks(R * Di, 256),), (256,), (hq, hh, hr, I32(R), I32(Di)))
+        rt.launch(k_had, (g._blocks(R * Di, 256),), (256,), (hq, hh, hr, I32(R), I32(Di), None, I32(1)))
         rt.launch(k_e2, (g._blocks(R * Di // 32, 8),), (256,), (hr, ho, np.int64(R * Di // 32)))
     b.add("qat 64h x 128 (hadamard + e2m1)", L, 4 * (2 * R * Di + Di * Di), [qat])
     # router 256 experts, top 6

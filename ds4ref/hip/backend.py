@@ -78,6 +78,8 @@ class HipBackend:
         self.w = device_weights if device_weights is not None else DeviceWeights.from_weights(
             runtime, reference_model.weights)
         self.use_graph = (os.environ.get("DS4REF_HIP_GRAPH", "1") != "0") if use_graph is None else use_graph
+        # official numerics' KV and indexer rows are FP8/FP4 grid values: stored compactly, exactly
+        self.compact = self.numerics == "official" and os.environ.get("DS4REF_COMPACT_KV", "1") != "0"
         self._tables()
         self.state: DeviceState | None = None
         self.capture_count = 0
@@ -92,22 +94,23 @@ class HipBackend:
         plan = f"weights {self.w.bytes / 2**20:.1f} MiB"
         if self.state is not None:
             st = self.state
-            need = DeviceState.bytes_needed(self.cfg, st.n_slots, st.n_pages, st.page_tokens)
-            plan += f", paged state {need / 2**20:.1f} MiB ({st.n_slots} slots, {st.n_pages} pages)"
+            need = DeviceState.bytes_needed(self.cfg, st.n_slots, st.n_pages, st.page_tokens, st.compact)
+            form = "compact FP8/FP4 rows" if st.compact else "float32 rows"
+            plan += f", paged state {need / 2**20:.1f} MiB ({st.n_slots} slots, {st.n_pages} pages, {form})"
         return f"{device} ({i.arch}, {self.rt.kind} runtime); {plan}"
 
     # ---- protocol ----------------------------------------------------------------
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         self.rt.bind_thread()
         self._release_state()
-        need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens)
+        need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens, self.compact)
         need += 2 * 2 * 4 * (self.cfg.n_rot // 2) * min(self.cfg.context_length, n_pages * page_tokens)  # RoPE
         free, _total = self.rt.mem_info()
         if need > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
                                     f"state, {free / 2**30:.2f} GiB is free; use fewer")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
-        self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios)
+        self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact)
         self._rope_tables(min(self.cfg.context_length, n_pages * page_tokens))
         self._alloc_workspace()
         rec = Recorder(self.rt)
@@ -270,7 +273,8 @@ class HipBackend:
         K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
 
     def _norm(self, rec, x, wname, y, rows, D):
-        K.launch_rmsnorm(rec, x, None if wname is None else self.w.vec(wname), y, rows, D, self.cfg.rms_eps)
+        K.launch_rmsnorm(rec, x, None if wname is None else self.w.vec(wname), y, rows, D, self.cfg.rms_eps,
+                         self.state.lane("slot"), rows // L)
 
     def _rope(self, rec, v, posbuf, ratio, rows_per_lane, D, inverse=False):
         half = self.cfg.n_rot // 2
@@ -360,12 +364,12 @@ class HipBackend:
         per = st.layout.rows_per_page(ratio)
         rec.launch(kso("step_comp_store"), (L,), (128,),
                    (row, st.pages[(il, kind)], st.btab, I32(st.maxp), I32(per), I32(ratio), I32(width),
-                    st.lane("slot"), st.lane("pos")))
+                    I32(st.row_format(kind)), I32(c.n_rot), st.lane("slot"), st.lane("pos")))
 
     def _qat(self, rec, x, tmp, out, rows, n):
         """Hadamard rotation then FP4 blocks (ops.qat)."""
         rec.launch(K.kernel(rec, "quant", "ds4_hadamard_rows"), (_blocks(rows * n, 256),), (256,),
-                   (x, self.hadamard, tmp, I32(rows), I32(n)))
+                   (x, self.hadamard, tmp, I32(rows), I32(n), self.state.lane("slot"), I32(rows // L)))
         nb = rows * n // 32
         rec.launch(K.kernel(rec, "quant", "ds4_e2m1_blocks"), (_blocks(nb, 8),), (256,), (tmp, out, np.int64(nb)))
         return out
@@ -385,7 +389,8 @@ class HipBackend:
         per = st.layout.rows_per_page(4)
         kso = rec.compile_file("step_state.hip").kernel
         rec.launch(kso("step_indexer_paged"), (min(_blocks(self.ncap4, 8), 128), L), (256,),
-                   (qi, ws["wraw"], scale, st.pages[(il, INDEX)], st.btab, I32(st.maxp), I32(per),
+                   (qi, ws["wraw"], scale, st.pages[(il, INDEX)], I32(st.row_format(INDEX)), st.btab,
+                    I32(st.maxp), I32(per),
                     st.lane("slot"), st.nvis(4), ws["scores"], I32(Hi), I32(Di), I32(self.ncap4)))
         rec.launch(K.kernel(rec, "indexer", "ds4_topk"), (L,), (512,),
                    (ws["scores"], st.nvis(4), I32(self.ncap4), I32(c.indexer_top_k), ws["sel"]))
@@ -400,9 +405,9 @@ class HipBackend:
         kso = rec.compile_file("step_state.hip").kernel
         sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
         rec.launch(kso("step_attention_split"), (_blocks(H, 8), L, self.at_nz), (256,),
-                   (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_floats), store, st.btab,
-                    I32(st.maxp), I32(per), sel, I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"),
-                    st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
+                   (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), store,
+                    I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
+                    I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
                     F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
         rec.launch(kso("step_attention_combine"), (H, L), (128,),
                    (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
@@ -415,8 +420,8 @@ class HipBackend:
         kso = rec.compile_file("step_state.hip").kernel
         lanes = (st.lane("slot"), st.lane("pos"), st.lane("last"))
         rec.launch(kso("step_ring_commit"), (L,), (128,),
-                   (kv, st.ring_layer(il), np.int64(st.ring_slot_floats), I32(c.sliding_window), I32(c.head_dim),
-                    *lanes))
+                   (kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), I32(c.sliding_window), I32(c.head_dim),
+                    I32(st.row_format(ATTN)), I32(c.n_rot), *lanes))
         ratio = c.ratio(il)
         kinds = ([ATTN] + ([INDEX] if ratio == 4 else [])) if ratio else []
         for kind in kinds:

@@ -2,11 +2,14 @@
 
 Paged (ds4ref.paging.layout): compressed KV rows of each compressed layer and the
 indexer rows of each ratio-4 layer live in pages `(n_pages, page_tokens / ratio,
-width)` per (layer, kind), addressed through per-slot block tables (int32
+row bytes)` per (layer, kind), addressed through per-slot block tables (int32
 `(n_slots, max_pages)` on the device). Per slot, not paged: the raw window rings
-`(n_slots, n_layer, window, head_dim)` and the compressor state per (layer, kind):
+`(n_slots, n_layer, window, row bytes)` and the compressor state per (layer, kind):
 current window `(n_slots, ratio, coff * width)` kv and score, and for ratio 4 the
 previous window's lane A `(n_slots, 4, width)` kv and score (-inf = none yet).
+Stored rows (rings and pages) are float32, or in official numerics the compact
+lossless form of docs/paging.md (`compact=True`): 712 instead of 2048 bytes a Flash
+KV row, 68 instead of 512 an indexer row.
 
 The host side of a pass (which lane holds which row, what each lane may see) is
 computed by the pure functions at the top, which the CPU tests check directly.
@@ -21,6 +24,9 @@ import numpy as np
 from ..backend import MAX_ROWS
 from ..paging.layout import PageLayout
 from ..reference.state import ATTN, INDEX
+
+# kernels/step_state.hip's row formats
+ROW_F32, ROW_KV, ROW_IX = 0, 1, 2
 
 NEG_INF_BITS = 0xFF800000
 # Per-lane int32 fields written before every replay (rows of one (16,) array each).
@@ -113,19 +119,41 @@ class CompState:
     prev_sc: object = None
 
 
+def row_bytes(cfg, kind: str, compact: bool) -> int:
+    """Bytes of one stored KV (ATTN) or indexer (INDEX) row."""
+    if kind == ATTN:
+        D, nrot = cfg.head_dim, cfg.n_rot
+        return compact_kv_bytes(D, nrot) if compact else 4 * D
+    return compact_index_bytes(cfg.indexer_head_dim) if compact else 4 * cfg.indexer_head_dim
+
+
+def compact_kv_bytes(D: int, nrot: int) -> int:
+    nope = D - nrot
+    return (nope + nope // 64 + 3) // 4 * 4 + 4 * nrot
+
+
+def compact_index_bytes(Di: int) -> int:
+    return (Di // 2 + Di // 32 + 3) // 4 * 4
+
+
+def row_format(kind: str, compact: bool) -> int:
+    return ROW_F32 if not compact else ROW_KV if kind == ATTN else ROW_IX
+
+
 class DeviceState:
     """All slots' state on the device plus the host mirrors the checks need."""
 
-    def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int]):
-        self.rt, self.cfg = rt, cfg
+    def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int],
+                 compact: bool = False):
+        self.rt, self.cfg, self.compact = rt, cfg, compact
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
         self.maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
         self.ratios = tuple(ratios)  # the ratios whose nvis rows the lanes carry
         self._bufs = []
-        W, D = cfg.sliding_window, cfg.head_dim
-        self.ring_slot_floats = cfg.n_layer * W * D
-        self.rings = self._zeros(n_slots * self.ring_slot_floats)
+        self.row_bytes = {kind: row_bytes(cfg, kind, compact) for kind in (ATTN, INDEX)}
+        self.ring_slot_bytes = cfg.n_layer * cfg.sliding_window * self.row_bytes[ATTN]
+        self.rings = self._zeros(n_slots * self.ring_slot_bytes // 4)
         self.comps: dict[tuple[int, str], CompState] = {}
         self.pages: dict[tuple[int, str], object] = {}
         for il, r in enumerate(cfg.compress_ratios):
@@ -138,7 +166,8 @@ class DeviceState:
                     cs.prev_kv = self._zeros(n_slots * 4 * width)
                     cs.prev_sc = self._fill(n_slots * 4 * width, NEG_INF_BITS)
                 self.comps[(il, kind)] = cs
-                self.pages[(il, kind)] = self._zeros(n_pages * self.layout.rows_per_page(r) * width)
+                self.pages[(il, kind)] = self._zeros(n_pages * self.layout.rows_per_page(r) *
+                                                     self.row_bytes[kind] // 4)
         self.btab = self._zeros(n_slots * self.maxp)
         self.lanes = self._zeros((len(LANE_FIELDS) + len(self.ratios)) * MAX_ROWS)
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
@@ -146,10 +175,14 @@ class DeviceState:
         rt.synchronize()
 
     @staticmethod
-    def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int) -> int:
+    def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int, compact: bool = False) -> int:
         layout = PageLayout(cfg, page_tokens)
         maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
-        return 4 * (n_pages * layout.page_elements() + n_slots * layout.slot_elements() + n_slots * maxp)
+        kv, ix = row_bytes(cfg, ATTN, compact), row_bytes(cfg, INDEX, compact)
+        page = sum(layout.rows_per_page(r) * (kv + (ix if r == 4 else 0)) for r in cfg.compress_ratios if r)
+        ring = cfg.n_layer * cfg.sliding_window * cfg.head_dim
+        slot = 4 * (layout.slot_elements() - ring) + ring * kv // cfg.head_dim
+        return n_pages * page + n_slots * slot + 4 * n_slots * maxp
 
     # ---- allocation helpers ----------------------------------------------------
     def _fill(self, n: int, bits: int):
@@ -181,8 +214,11 @@ class DeviceState:
 
     def ring_layer(self, il: int):
         from .ops import view
-        W, D = self.cfg.sliding_window, self.cfg.head_dim
-        return view(self.rings, il * W * D * 4, self.rings.nbytes - il * W * D * 4)
+        at = il * self.cfg.sliding_window * self.row_bytes[ATTN]
+        return view(self.rings, at, self.rings.nbytes - at)
+
+    def row_format(self, kind: str) -> int:
+        return row_format(kind, self.compact)
 
     # ---- protocol operations -------------------------------------------------------
     def check_slot(self, slot: int) -> None:
@@ -193,8 +229,8 @@ class DeviceState:
         self.check_slot(slot)
         rt = self.rt
         from .ops import view
-        rt.memset32(view(self.rings, slot * self.ring_slot_floats * 4, self.ring_slot_floats * 4), 0,
-                    self.ring_slot_floats)
+        rt.memset32(view(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes), 0,
+                    self.ring_slot_bytes // 4)
         for cs in self.comps.values():
             coff = 2 if cs.ratio == 4 else 1
             n = cs.ratio * coff * cs.width
@@ -239,6 +275,6 @@ class DeviceState:
         from .ops import view
         for (il, kind), buf in self.pages.items():
             ratio = self.cfg.compress_ratios[il]
-            n = self.layout.rows_per_page(ratio) * self.comps[(il, kind)].width
+            n = self.layout.rows_per_page(ratio) * self.row_bytes[kind]
             for p in np.asarray(pages, np.int64):
-                self.rt.memset32(view(buf, int(p) * n * 4, n * 4), 0, n)
+                self.rt.memset32(view(buf, int(p) * n, n), 0, n // 4)

@@ -180,8 +180,10 @@ def weight_cols(w: np.ndarray, wtype: str) -> int:
 # ---------------------------------------------------------------------------
 
 
-def launch_rmsnorm(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer, rows: int, D: int, eps: float):
-    rt.launch(kernel(rt, "norm", "ds4_rmsnorm"), (rows,), (256,), (x, w, y, I32(D), F32(eps)))
+def launch_rmsnorm(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer, rows: int, D: int, eps: float,
+                   lane_slot=None, rows_per_lane: int = 1):
+    rt.launch(kernel(rt, "norm", "ds4_rmsnorm"), (rows,), (256,),
+              (x, w, y, I32(D), F32(eps), lane_slot, I32(rows_per_lane)))
 
 
 def rmsnorm(x, w, eps, rt=None):
@@ -243,7 +245,7 @@ def hadamard_rotate(v, h, rt=None):
     with _Scope(rt) as s:
         out = s.out(v.shape)
         rt.launch(kernel(rt, "quant", "ds4_hadamard_rows"), (_blocks(R * n, 256),), (256,),
-                  (s.up(v), s.up(h), out, I32(R), I32(n)))
+                  (s.up(v), s.up(h), out, I32(R), I32(n), None, I32(1)))
         return s.get(out, v.shape)
 
 

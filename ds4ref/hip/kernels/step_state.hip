@@ -19,6 +19,120 @@
 
 #define ST_LANES 16
 
+// ---- stored rows: float32, or the compact lossless form of official numerics ----
+// docs/paging.md defines the bytes (ds4ref/paging/compact.py is the host side):
+//   KV row (ROW_KV):     E4M3FN codes of dims 0..nope-1, one exponent byte (e + 127) per 64,
+//                        zero pad to 4 bytes, then the n_rot RoPE dims as float32
+//   indexer row (ROW_IX): E2M1 codes two per byte (low nibble = even dim), one exponent
+//                        byte per 32, zero pad to 4 bytes
+// Every official-numerics row is an FP8 (resp. FP4) grid value times a power of two per
+// block, so the compact form holds it exactly: reading gives back the float32 bits.
+#define ROW_F32 0
+#define ROW_KV 1
+#define ROW_IX 2
+
+struct RowFmt {
+    int kind, D, nrot;  // D: the row's width; nrot: float32 RoPE tail of a KV row
+};
+
+__device__ __forceinline__ int kv_tail_at(int D, int nrot) {  // byte offset of the RoPE floats
+    int nope = D - nrot;
+    return (nope + nope / 64 + 3) & ~3;
+}
+
+__device__ __forceinline__ float pow2_biased(int b) {  // 2^(b - 127), b in 1..254; 0 for b = 0
+    return __uint_as_float((ds4_u32)b << 23);
+}
+
+__device__ __forceinline__ float e4m3_value(ds4_u32 c) {
+    ds4_u32 E = (c >> 3) & 15u, m = c & 7u;
+    float mag = E ? __uint_as_float(((E + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;  // m * 2^-9
+    return (c & 0x80u) ? -mag : mag;
+}
+
+__device__ __forceinline__ float e2m1_value(ds4_u32 c) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    float v = mag[c & 7u];
+    return (c & 8u) ? -v : v;
+}
+
+// Element d of a stored row.
+__device__ __forceinline__ float row_get(const ds4_u8* row, const RowFmt& f, int d) {
+    if (f.kind == ROW_F32) return ((const float*)row)[d];
+    if (f.kind == ROW_KV) {
+        int nope = f.D - f.nrot;
+        if (d >= nope) return ((const float*)(row + kv_tail_at(f.D, f.nrot)))[d - nope];
+        return e4m3_value(row[d]) * pow2_biased(row[nope + d / 64]);
+    }
+    return e2m1_value((row[d / 2] >> (4 * (d & 1))) & 15u) * pow2_biased(row[f.D / 2 + d / 32]);
+}
+
+__device__ __forceinline__ int row_bytes(const RowFmt& f) {
+    if (f.kind == ROW_F32) return 4 * f.D;
+    if (f.kind == ROW_KV) return kv_tail_at(f.D, f.nrot) + 4 * f.nrot;
+    return (f.D / 2 + f.D / 32 + 3) & ~3;
+}
+
+// e with 2^e the block scale: the smallest power of two with amax / qmax <= 2^e, from the
+// float32 quotient (frexp: x = f * 2^k, f in [0.5, 1); e = k unless f is exactly 0.5).
+__device__ __forceinline__ int block_exponent(float amax, float floor_, float qmax) {
+    int k;
+    float f = frexpf(fmaxf(amax, floor_) / qmax, &k);
+    return f > 0.5f ? k : k - 1;
+}
+
+__device__ __forceinline__ ds4_u32 e4m3_code(float q) {  // q on the E4M3FN grid
+    ds4_u32 sign = q < 0.0f || (q == 0.0f && signbit(q)) ? 0x80u : 0u;
+    float a = fabsf(q);
+    if (a < 0.015625f) return sign | (ds4_u32)(a * 512.0f);  // subnormal: m * 2^-9
+    int k;
+    float f = frexpf(a, &k);  // a = 2f * 2^(k-1), 2f = 1 + m/8
+    return sign | ((ds4_u32)(k + 6) << 3) | (ds4_u32)(16.0f * f - 8.0f);
+}
+
+__device__ __forceinline__ ds4_u32 e2m1_code(float q) {  // q on the E2M1 grid
+    ds4_u32 sign = q < 0.0f || (q == 0.0f && signbit(q)) ? 8u : 0u;
+    float a = fabsf(q);
+    if (a == 0.0f) return sign;
+    if (a < 1.0f) return sign | 1u;
+    int k;
+    float f = frexpf(a, &k);
+    return sign | (ds4_u32)(2 * k + (f > 0.5f ? 1 : 0));
+}
+
+// Write one row (v: D floats) in format f. Called by a whole block.
+__device__ void row_put(ds4_u8* dst, const float* v, const RowFmt& f) {
+    __shared__ int ex[64];
+    if (f.kind == ROW_F32) {
+        for (int i = threadIdx.x; i < f.D; i += blockDim.x) ((float*)dst)[i] = v[i];
+        return;
+    }
+    int bs = f.kind == ROW_KV ? 64 : 32, n = f.kind == ROW_KV ? f.D - f.nrot : f.D, nb = n / bs;
+    __syncthreads();  // ex[] is free
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        float amax = 0.0f;
+        for (int i = 0; i < bs; ++i) amax = fmaxf(amax, fabsf(v[b * bs + i]));
+        ex[b] = f.kind == ROW_KV ? block_exponent(amax, 1e-4f, 448.0f)
+                                 : block_exponent(amax, 7.052966104933725e-38f, 6.0f);
+    }
+    __syncthreads();
+    int cbytes = f.kind == ROW_KV ? n : n / 2, head = f.kind == ROW_KV ? kv_tail_at(f.D, f.nrot) : row_bytes(f);
+    for (int j = threadIdx.x; j < head; j += blockDim.x) {
+        ds4_u32 byte = 0;
+        if (j < cbytes && f.kind == ROW_KV) {
+            byte = e4m3_code(ldexpf(v[j], -ex[j / 64]));
+        } else if (j < cbytes) {
+            byte = e2m1_code(ldexpf(v[2 * j], -ex[2 * j / 32])) |
+                   (e2m1_code(ldexpf(v[2 * j + 1], -ex[(2 * j + 1) / 32])) << 4);
+        } else if (j < cbytes + nb) {
+            byte = (ds4_u32)(ex[j - cbytes] + 127);
+        }
+        dst[j] = (ds4_u8)byte;
+    }
+    if (f.kind == ROW_KV)
+        for (int i = threadIdx.x; i < f.nrot; i += blockDim.x) ((float*)(dst + head))[i] = v[n + i];
+}
+
 // ---- compressor: candidates of the window a lane completes ----------------
 
 struct CompArgs {
@@ -100,15 +214,15 @@ extern "C" __global__ void step_comp_gather(const float* proj_kv, const float* p
 
 // Store the finished compressed row of each emitting lane at row index pos/ratio of
 // its slot's pages: page = block_table[slot][idx / per], offset idx % per.
-extern "C" __global__ void step_comp_store(const float* rows, float* store, const int* btab, int maxp, int per,
-                                           int ratio, int D, const int* slot, const int* pos) {
+extern "C" __global__ void step_comp_store(const float* rows, ds4_u8* store, const int* btab, int maxp, int per,
+                                           int ratio, int D, int kind, int nrot, const int* slot, const int* pos) {
     int l = blockIdx.x;
     int s = slot[l], p = pos[l];
     if (s < 0 || (p + 1) % ratio) return;
+    RowFmt f = {kind, D, nrot};
     int w = p / ratio;
     int page = btab[(long long)s * maxp + w / per];
-    float* dst = store + ((long long)page * per + (w % per)) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = rows[(long long)l * D + i];
+    row_put(store + ((long long)page * per + (w % per)) * row_bytes(f), rows + (long long)l * D, f);
 }
 
 // Write the pass back into the compressor state, as token-by-token feeding would
@@ -142,14 +256,14 @@ extern "C" __global__ void step_comp_commit(const float* proj_kv, const float* p
 }
 
 // Raw window ring: ring[slot][pos % W] = kv of the lane, for the last W positions of
-// the slot in this pass. ring points at this layer's rows; slot stride in floats.
-extern "C" __global__ void step_ring_commit(const float* kv, float* ring, long long slot_stride, int W, int D,
-                                            const int* slot, const int* pos, const int* last) {
+// the slot in this pass. ring points at this layer's rows; slot stride in bytes.
+extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long long slot_stride, int W, int D,
+                                            int kind, int nrot, const int* slot, const int* pos, const int* last) {
     int l = blockIdx.x;
     int s = slot[l], p = pos[l];
     if (s < 0 || p <= last[l] - W) return;
-    float* dst = ring + (long long)s * slot_stride + (long long)(p % W) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = kv[(long long)l * D + i];
+    RowFmt f = {kind, D, nrot};
+    row_put(ring + s * slot_stride + (long long)(p % W) * row_bytes(f), kv + (long long)l * D, f);
 }
 
 // ---- lightning indexer over paged rows ------------------------------------
@@ -162,7 +276,7 @@ extern "C" __global__ void step_ring_commit(const float* kv, float* ring, long l
 // row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
 extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
 step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw, float scale,
-                   const float* __restrict__ store, const int* __restrict__ btab, int maxp, int per,
+                   const ds4_u8* __restrict__ store, int kind, const int* __restrict__ btab, int maxp, int per,
                    const int* __restrict__ slot, const int* __restrict__ nvis, float* __restrict__ out,
                    int Hi, int Di, int ncap) {
     __shared__ __align__(16) float qs[IX_QMAX];
@@ -179,10 +293,11 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
             if (lane == 0) out[(long long)l * ncap + n] = -DS4_INF;
             continue;
         }
+        RowFmt f = {kind, Di, 0};
         int page = btab[(long long)s * maxp + n / per];
-        const float* kr = store + ((long long)page * per + n % per) * Di;
+        const ds4_u8* kr = store + ((long long)page * per + n % per) * row_bytes(f);
         float kv[IX_DPL];
-        for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? kr[lane + DS4_WARP * t] : 0.0f;
+        for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? row_get(kr, f, lane + DS4_WARP * t) : 0.0f;
         float total = 0.0f;
         for (int h = 0; h < Hi; ++h) {
             float part = 0.0f;
@@ -204,27 +319,28 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 
 struct KeySrc {
     const float* pass_kv;  // (16, D) this pass's roped KV rows
-    const float* ring;     // this layer's ring rows; slot stride ring_stride
+    const ds4_u8* ring;    // this layer's ring rows (format fmt); slot stride ring_stride bytes
     long long ring_stride;
-    const float* store;    // compressed rows of this layer (n_pages, per, D), or null
+    const ds4_u8* store;   // compressed rows of this layer (n_pages, per, row), or null
     const int* btab;
     const int* sel;        // (16, ksel) selected row indices (ascending, -1 padded) or null = all
     int maxp, per, ksel, W, D;
+    RowFmt fmt;
 };
 
-// Pointer to key number n of the lane: raw positions lo..pos first (oldest first), then
+// Element d of key number n of the lane: raw positions lo..pos first (oldest first), then
 // the compressed rows in index order.
-__device__ __forceinline__ const float* key_row(const KeySrc& k, int l, int s, int lo, int nraw, int pstart,
-                                                int flane, int n) {
+__device__ __forceinline__ float key_elem(const KeySrc& k, int l, int s, int lo, int nraw, int pstart,
+                                          int flane, int n, int d) {
     if (n < nraw) {
         int q = lo + n;
-        if (q >= pstart) return k.pass_kv + (long long)(flane + q - pstart) * k.D;
-        return k.ring + (long long)s * k.ring_stride + (long long)(q % k.W) * k.D;
+        if (q >= pstart) return k.pass_kv[(long long)(flane + q - pstart) * k.D + d];
+        return row_get(k.ring + s * k.ring_stride + (long long)(q % k.W) * row_bytes(k.fmt), k.fmt, d);
     }
     int t = n - nraw;
     int r = k.sel ? k.sel[(long long)l * k.ksel + t] : t;
     int page = k.btab[(long long)s * k.maxp + r / k.per];
-    return k.store + ((long long)page * k.per + r % k.per) * k.D;
+    return row_get(k.store + ((long long)page * k.per + r % k.per) * row_bytes(k.fmt), k.fmt, d);
 }
 
 // ---- attention split over keys (v3) -------------------------------------------
@@ -236,7 +352,7 @@ __device__ __forceinline__ const float* key_row(const KeySrc& k, int l, int s, i
 // among 16. A lone decode row now spreads over 8 x ceil(keys / 32) blocks instead of 8.
 #define AT3_SPLIT 32
 
-__device__ __forceinline__ int at_lane_keys(int s, int p, int W, const float* store, const int* nvis,
+__device__ __forceinline__ int at_lane_keys(int s, int p, int W, const void* store, const int* nvis,
                                             const int* sel, int ksel, int l, int* lo, int* nraw) {
     *lo = p - W + 1 > 0 ? p - W + 1 : 0;
     *nraw = s >= 0 ? p - *lo + 1 : 0;
@@ -249,13 +365,13 @@ __device__ __forceinline__ int at_lane_keys(int s, int p, int W, const float* st
 }
 
 extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
-step_attention_split(const float* __restrict__ q, const float* pass_kv, const float* ring, long long ring_stride,
-                     const float* store, const int* btab, int maxp, int per, const int* sel, int ksel,
+step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring, long long ring_stride,
+                     const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel, int ksel,
                      const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
                      int H, int D, int W, float scale, float* __restrict__ part_m,
                      float* __restrict__ part_den, float* __restrict__ part_acc) {
     __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
-    KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D};
+    KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D, {kind, D, nrot}};
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int l = blockIdx.y, z = blockIdx.z, nz = gridDim.z;
     int h = blockIdx.x * AT_WARPS + warp;
@@ -280,7 +396,7 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const fl
         __syncthreads();
         for (int idx = threadIdx.x; idx < nk * D; idx += blockDim.x) {
             int rr = idx / D, dd = idx % D;
-            ks[rr * AT_DMAX + dd] = key_row(k, l, s, lo, nraw, ps, fl, n0 + rr)[dd];
+            ks[rr * AT_DMAX + dd] = key_elem(k, l, s, lo, nraw, ps, fl, n0 + rr, dd);
         }
         __syncthreads();
         if (!active) continue;
@@ -319,7 +435,7 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const fl
 // Padding lanes write zeros, as step_attention does.
 extern "C" __global__ void step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
                                                   const float* __restrict__ part_acc, const float* __restrict__ sinks,
-                                                  const int* slot, const int* pos, const float* store,
+                                                  const int* slot, const int* pos, const ds4_u8* store,
                                                   const int* nvis, const int* sel, int ksel, int W, int H, int D,
                                                   int nz, float* __restrict__ out) {
     int h = blockIdx.x, l = blockIdx.y;
