@@ -157,7 +157,7 @@ class DeviceState:
         self.comps: dict[tuple[int, str], CompState] = {}
         self.pages: dict[tuple[int, str], object] = {}
         for il, r in enumerate(cfg.compress_ratios):
-            kinds = [(ATTN, D)] + ([(INDEX, cfg.indexer_head_dim)] if r == 4 else []) if r else []
+            kinds = [(ATTN, cfg.head_dim)] + ([(INDEX, cfg.indexer_head_dim)] if r == 4 else []) if r else []
             for kind, width in kinds:
                 coff = 2 if r == 4 else 1
                 cs = CompState(r, width, self._zeros(n_slots * r * coff * width),

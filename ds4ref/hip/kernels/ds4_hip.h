@@ -45,7 +45,7 @@ __device__ __forceinline__ float ds4_bf16_to_f32(ds4_u16 h) {
 }
 
 // IEEE half -> f32, exact for normals, subnormals, inf and NaN.
-__device__ __forceinline__ float ds4_f16_to_f32(ds4_u16 h) {
+__device__ __forceinline__ float ds4_f16_to_f32_soft(ds4_u16 h) {
     ds4_u32 sign = ((ds4_u32)(h & 0x8000u)) << 16;
     ds4_u32 exp = (h >> 10) & 0x1fu;
     ds4_u32 man = h & 0x3ffu;
@@ -57,6 +57,18 @@ __device__ __forceinline__ float ds4_f16_to_f32(ds4_u16 h) {
         return sign ? -v : v;
     }
     return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// The hardware conversion where there is one in reach without headers (CUDA's cvt is exact
+// for every finite half, as the widening above is); the bit-level one elsewhere.
+__device__ __forceinline__ float ds4_f16_to_f32(ds4_u16 h) {
+#if DS4_IS_HIP
+    return ds4_f16_to_f32_soft(h);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
 }
 
 // ---- warp and block reductions with a fixed order ------------------------

@@ -24,9 +24,9 @@
 #endif
 
 #define MV3_WARPS 8
-#define MV3_XS 12160   // staged floats per block: 48 KiB of static shared memory less room for
-                       // the per-input pointers (the 48 KiB static limit covers all of it);
-                       // KC for na = 1..16 is the same as with a full 12288
+#define MV3_XS 11904   // staged floats per block: 48 KiB of static shared memory less room for
+                       // the per-input pointers and IQ2_XXS's grid (the limit covers all of it);
+                       // the chunk width KC changes only the staging, never a lane's sum order
 
 template <int WT>
 struct Mv3Raw {
@@ -98,10 +98,11 @@ __device__ __forceinline__ void mv3_load(const ds4_u8* __restrict__ row, int col
 
 // MXFP4's E2M1 values doubled, and its E8M0 exponent as half the power of two (ggml's
 // ggml_e8m0_to_fp32_half), so that the product is the value.
+// (Arithmetic, not a table: a per-lane index into a local array lives in local memory.)
 __device__ __forceinline__ float mv3_e2m1_doubled(ds4_u32 c) {
-    const float v[16] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f,
-                         0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, -8.0f, -12.0f};  // code 8 is +0, as gguf-py has it
-    return v[c & 15u];
+    ds4_u32 m = c & 7u;  // doubled magnitudes 0 1 2 3 4 6 8 12
+    float mag = (float)(m < 4u ? m : (2u + (m & 1u)) << ((m >> 1) - 1u));
+    return (c & 8u) && m ? -mag : mag;  // code 8 is +0, as gguf-py has it
 }
 
 __device__ __forceinline__ float mv3_e8m0_half(ds4_u32 e) {
@@ -112,7 +113,7 @@ __device__ __forceinline__ float mv3_e8m0_half(ds4_u32 e) {
 // still unpacked (their sums are never written): every index taken from the raw words is
 // masked to its range, so such garbage cannot reach outside a table.
 template <int WT>
-__device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
+__device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w, const ds4_u16* iq2_grid) {
     if (WT == WT_F32) {
         w[0] = __uint_as_float(r.v[0].x); w[1] = __uint_as_float(r.v[0].y);
         w[2] = __uint_as_float(r.v[0].z); w[3] = __uint_as_float(r.v[0].w);
@@ -159,12 +160,17 @@ __device__ __forceinline__ void mv3_unpack(const Mv3Raw<WT>& r, float* w) {
     } else if (WT == WT_IQ2_XXS) {  // ((d * (0.5 + s)) * 0.25 * grid) * sign
         ds4_u32 aux1 = r.v[0].z, l = r.v[0].w & 3u;
         float db = (ds4_f16_to_f32((ds4_u16)r.v[0].x) * (0.5f + (float)(aux1 >> 28))) * 0.25f;
-        ds4_u32 grid = DS4_IQ2XXS_GRID[(r.v[0].y >> (8 * l)) & 0xffu];
+        // the grid from shared memory: lanes index it independently, which serialises a
+        // __constant__ table
+        ds4_u32 grid = iq2_grid[(r.v[0].y >> (8 * l)) & 0xffu];
         ds4_u32 sg = (aux1 >> (7 * l)) & 127u;
         sg |= (ds4_u32)(__popc(sg) & 1) << 7;  // ggml's ksigns: the eighth sign makes the parity even
-        const float mag[4] = {8.0f, 25.0f, 43.0f, 0.0f};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) w[e] = (db * mag[(grid >> (2 * e)) & 3u]) * ((sg >> e) & 1u ? -1.0f : 1.0f);
+        for (int e = 0; e < 8; ++e) {
+            ds4_u32 c = (grid >> (2 * e)) & 3u;
+            float mag = c == 0u ? 8.0f : c == 1u ? 25.0f : c == 2u ? 43.0f : 0.0f;
+            w[e] = (db * mag) * ((sg >> e) & 1u ? -1.0f : 1.0f);
+        }
     } else {  // MXFP4: (2^(e-128)) * (2 * E2M1 value)
         float d = mv3_e8m0_half(r.v[0].x);
 #pragma unroll
@@ -225,6 +231,9 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
                                          int na, const float* const* xrow, const long long* ybase,
                                          float* __restrict__ y, float4* xs4, int rblk) {
     float* xs = (float*)xs4;
+    __shared__ ds4_u16 iq2_grid[WT == WT_IQ2_XXS ? 256 : 1];
+    if (WT == WT_IQ2_XXS)  // visible after the chunk loop's first barrier, before any unpack
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) iq2_grid[i] = DS4_IQ2XXS_GRID[i];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int row0 = rblk * (MV3_WARPS * R) + warp * R;
     int KC = (MV3_XS / na) / 256 * 256;  // >= 512 for na <= 16; a multiple of 256 (see swizzle)
@@ -290,7 +299,7 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
                 if (j0 >= kc) continue;
                 float w[R][8];
 #pragma unroll
-                for (int i = 0; i < R; ++i) mv3_unpack<WT>(raw[i][u], w[i]);
+                for (int i = 0; i < R; ++i) mv3_unpack<WT>(raw[i][u], w[i], iq2_grid);
                 int xb = (s0 + u) * 64 + lane;  // float4 index of this lane's first half
                 if (na == 1) {
                     float4 p = xs4[xb], q = xs4[xb + 32];

@@ -1,0 +1,121 @@
+"""HipBackend's host side without a GPU: the whole pass is recorded on a runtime that only
+counts buffers and launches, so a Python error in building the program, a kernel argument
+list that does not match its kernel, or a state sized wrong fails here, in CI, instead of
+on the lent GPU. (The kernels themselves are compiled by test_kernels_compile.py and run
+bit for bit against the reference by tests/gpu/.)"""
+from __future__ import annotations
+
+import re
+import types
+
+import numpy as np
+import pytest
+
+from ds4ref.hip import ops as K
+from ds4ref.hip.backend import HipBackend
+from ds4ref.hip.device_state import DeviceState, compact_index_bytes, compact_kv_bytes
+from ds4ref.hip.device_weights import DeviceWeights
+from ds4ref.hip.runtime import KERNEL_DIR
+from ds4ref.reference.layers import Tables
+from ds4ref.reference.state import ATTN, INDEX
+from ds4ref.tiny import tiny_config
+
+
+class Buf:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def free(self) -> None:
+        pass
+
+
+class RecordingRuntime:
+    """Allocations and launches are recorded; nothing runs."""
+    kind = "recording"
+    info = types.SimpleNamespace(name="none", arch="sm_90", vendor="nvidia", multiprocessors=4)
+
+    def __init__(self):
+        self.allocated, self.launches = 0, []
+
+    def compile_file(self, filename, options=()):
+        return types.SimpleNamespace(kernel=lambda name, f=filename: (f, name))
+
+    def upload(self, arr):
+        return self.malloc(np.asarray(arr).nbytes)
+
+    def malloc(self, n):
+        self.allocated += n
+        return Buf(n)
+
+    def launch(self, kernel, grid, block, args, shared=0, stream=None):
+        self.launches.append((kernel, args))
+
+    def memset32(self, buf, value, n):
+        assert 4 * n <= buf.nbytes, "memset past the end of a buffer"
+
+    def h2d(self, buf, arr):
+        assert np.asarray(arr).nbytes <= buf.nbytes
+
+    def synchronize(self):
+        pass
+
+    def bind_thread(self):
+        pass
+
+    def mem_info(self):
+        return (1 << 40, 1 << 40)
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    monkeypatch.setattr(K, "view", lambda buf, off, n: (Buf(n), None)[0] if off + n <= buf.nbytes else
+                        pytest.fail(f"view [{off}, {off + n}) past a buffer of {buf.nbytes} bytes"))
+    return RecordingRuntime()
+
+
+def kernel_params() -> dict[str, int]:
+    """Parameter count of every extern "C" kernel in the kernel sources."""
+    out = {}
+    for f in KERNEL_DIR.glob("*.hip"):
+        text = f.read_text()
+        for m in re.finditer(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s*(\w+)\(([^)]*)\)', text):
+            if not m.group(1).startswith("__"):  # a macro-made kernel: its name is a macro argument
+                out[m.group(1)] = len([p for p in m.group(2).split(",") if p.strip()])
+    return out
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_pass_records_with_matching_argument_lists(rt, numerics):
+    cfg = tiny_config()
+    dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
+    model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend.configure(4, 64)
+    params = kernel_params()
+    ops = backend.program.ops
+    assert len(ops) > 10 * cfg.n_layer
+    checked = set()
+    for (filename, name), _grid, _block, args, _shared in ops:
+        if name in params:  # kernels made from templates by macro are checked by their callers' twins
+            assert len(args) == params[name], f"{name}: {len(args)} arguments, the kernel takes {params[name]}"
+            checked.add(name)
+    assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
+            "ds4_rmsnorm"} <= checked and len(checked) >= 15
+    assert backend.compact == (numerics == "official")
+
+
+def test_compact_state_is_what_the_rows_need(rt):
+    cfg = tiny_config()
+    st = DeviceState(rt, cfg, 3, 10, 128, sorted({r for r in cfg.compress_ratios if r}), compact=True)
+    nope = cfg.head_dim - cfg.n_rot
+    assert st.row_bytes[ATTN] == compact_kv_bytes(cfg.head_dim, cfg.n_rot) == \
+        -(-(nope + nope // 64) // 4) * 4 + 4 * cfg.n_rot
+    assert st.row_bytes[INDEX] == compact_index_bytes(cfg.indexer_head_dim) == \
+        -(-(cfg.indexer_head_dim // 2 + cfg.indexer_head_dim // 32) // 4) * 4
+    assert compact_kv_bytes(512, 64) == 712 and compact_index_bytes(128) == 68  # Flash
+    per4, per128 = 128 // 4, 128 // 128
+    n4, n128 = cfg.compress_ratios.count(4), cfg.compress_ratios.count(128)
+    paged = sum(b.nbytes for b in st.pages.values())
+    assert paged == 10 * (n4 * per4 * (st.row_bytes[ATTN] + st.row_bytes[INDEX]) + n128 * per128 * st.row_bytes[ATTN])
+    assert st.rings.nbytes == 3 * cfg.n_layer * cfg.sliding_window * st.row_bytes[ATTN]
+    assert DeviceState.bytes_needed(cfg, 3, 10, 128, compact=True) < DeviceState.bytes_needed(cfg, 3, 10, 128)
