@@ -256,6 +256,10 @@ class Runtime(ABC):
         return out
 
     def compile_file(self, filename: str, options: Sequence[str] = ()) -> Module:
+        # DS4REF_KERNEL_DEFINES="NAME=V ..." sets the kernels' tuning macros (docs/kernels.md),
+        # for A/B timing runs: a tuning macro never changes a result bit
+        defines = [f"-D{d}" for d in os.environ.get("DS4REF_KERNEL_DEFINES", "").split()]
+        options = (*options, *defines)
         key = (filename, tuple(options))
         cache = self.__dict__.setdefault("_module_cache", {})
         if key not in cache:
