@@ -4,12 +4,12 @@
 # (the wheels of benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh; the
 # tiny policy files this machine's test run wrote, copied from $DS4REF_GOLDEN_CACHE):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of build,ops,backend,golden,serve,decode,full (default: all). Logs and
+# STAGES picks any of build,ops,backend,golden,serve,decode,hf,full (default: all). Logs and
 # tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
-STAGES=${STAGES:-build,ops,backend,golden,serve,decode,full}
+STAGES=${STAGES:-build,ops,backend,golden,serve,decode,hf,full}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
 export PYTHONPATH=$PWD
@@ -75,6 +75,11 @@ if has decode; then
   stage "decode benchmark (8-layer Flash-shaped bf16, 256 experts)"
   timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" \
     --json "$OUT/perf_decode_gpu.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
+fi
+if has hf; then
+  stage "transformers' eager DeepseekV4 on the 8-layer config, side by side"
+  timeout ${HF_TIMEOUT:-200} python3 benchmarks/hf_eager_gpu.py --lanes 1,4,8,16 --json "$OUT/hf_eager_gpu.json" 2>&1 \
+    | tee "$OUT/hf.log" || rc=1
 fi
 if has full; then
   stage "decode benchmark (Flash, 43 layers, q2 policy)"

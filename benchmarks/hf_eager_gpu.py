@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--tiny", action="store_true", help="tiny config (a CPU smoke test)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON (benchmarks/plot_decode.py)")
     args = ap.parse_args()
     import torch
     import transformers
@@ -36,7 +37,7 @@ def main() -> None:
     from ds4ref.hf import hf_config
     if args.tiny:
         from ds4ref.tiny import tiny_config
-        cfg = tiny_config(n_layer=2)
+        cfg = tiny_config(n_layer=4)
     else:
         from decode_gpu import flash_config
         cfg = flash_config()
@@ -47,14 +48,15 @@ def main() -> None:
     hc = hf_config(cfg)
     dev = torch.device(args.device)
     t0 = time.time()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: 256 experts in f32 would not fit
     with torch.device(dev):
         torch.manual_seed(0)
-        model = DeepseekV4ForCausalLM(hc).to(torch.bfloat16).eval()
+        model = DeepseekV4ForCausalLM(hc).eval()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     print(f"transformers {transformers.__version__}: model built in {time.time() - t0:.1f} s, "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} G parameters (bf16, random init)", flush=True)
-    rows = []
+    rows, records = [], []
     for C in [int(x) for x in args.lanes.split(",")]:
         g = torch.Generator(device="cpu").manual_seed(C)
         ids = torch.randint(0, cfg.vocab_size, (C, args.ctx), generator=g).to(dev)
@@ -77,6 +79,11 @@ def main() -> None:
         row = f"| transformers eager DeepseekV4 | {args.ctx} | {C} | {ms:.2f} | {C / (ms * 1e-3):.0f} |"
         print(row, flush=True)
         rows.append(row)
+        records.append(dict(ctx=args.ctx, C=C, step_ms=ms, tok_s=C / (ms * 1e-3)))
+    if args.json:
+        import json
+        Path(args.json).write_text(json.dumps(dict(model=f"transformers {transformers.__version__} eager "
+                                                   f"DeepseekV4, {cfg.name}, bf16", rows=records), indent=1))
     print("| engine | context | C | step ms | tok/s |")
     print("\n".join(rows))
 
