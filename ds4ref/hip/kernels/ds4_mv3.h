@@ -206,6 +206,16 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
     }
 }
 
+// Weight groups (256-column steps) a warp's rows keep in flight, for the 8-bit and the
+// 2-to-4-bit encodings at 2 rows per warp (twice as many at 1). A warp-step of IQ2_XXS reads
+// one 66-byte block a row, so it takes many steps in flight to cover the memory latency.
+#ifndef MV3_U_Q8
+#define MV3_U_Q8 4
+#endif
+#ifndef MV3_U_LOWBIT
+#define MV3_U_LOWBIT 2
+#endif
+
 #ifndef MV3_LG
 #define MV3_LG 4  // inputs per guarded group in the FMA loop
 #endif
