@@ -119,6 +119,18 @@ def test_qat_of_drawn_floats_round_trips(v):
     assert_round_trip_index(rows)
 
 
+@pytest.mark.parametrize("table, fmt, rnd, top", [
+    (compact.E4M3FN, compact.E4M3FN_FORMAT, ops.e4m3_round, 448.0),
+    (compact.E2M1, compact.E2M1_FORMAT, ops.e2m1_round, 6.0)])
+def test_codes_are_the_nearest_grid_values(table, fmt, rnd, top):
+    """With e = 0 the code of x is ops' rounding of x (ties to even), the sign of -0.0 kept."""
+    x = np.concatenate([np.linspace(-1.2 * top, 1.2 * top, 100_001), np.linspace(-top / 64, top / 64, 20_001),
+                        [-0.0, 0.0]]).astype(F32)
+    codes = np.empty((1, x.size), np.uint8)
+    compact._grid_codes(x[None], np.zeros(1, np.int32), *fmt, codes)
+    assert np.array_equal(bits(table[codes[0]]), bits(rnd(np.clip(x, -top, top))))
+
+
 def test_all_zero_and_negative_zero_blocks():
     kv = np.zeros((2, 192), F32)
     kv[1, ::3] = -0.0
