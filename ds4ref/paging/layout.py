@@ -6,6 +6,8 @@ Paged (grows with the sequence, 128 token positions per page):
 Per slot, not paged (fixed size):
   the raw sliding window, a ring of `sliding_window` rows per layer
   the compressor partial-window and overlap state per compressed layer
+Sizes in bytes are given for each way a backend may hold the KV and indexer rows
+(STORAGES): as the working float, or compact (ds4ref/paging/compact.py).
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
 def summary(plan: MemoryPlan) -> str:
     """The banner's line."""
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
-            f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):g} B/token) + "
+            f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
             f"per-slot state {plan.lanes} x {size(plan.per_slot)}")
 
 

@@ -4,9 +4,10 @@ Storage follows ds4ref.paging.layout: compressed and indexer rows live in a
 shared pool of pages addressed through per-slot block tables; the raw window
 rings and compressor state are per slot. In official float32 numerics the KV
 and indexer rows (rings and pages) are held in the compact lossless format of
-ds4ref.paging.compact, encoded when written and decoded when read. Each row of a pass runs the very same
-`Model.step` as the unpaged reference, through a view that reads history in
-logical order, so a slot's results are bitwise those of running it alone.
+ds4ref.paging.compact, encoded when written and decoded when read. Each row of
+a pass runs the very same `Model.step` as the unpaged reference, through a view
+that reads history in logical order, so a slot's results are bitwise those of
+running it alone.
 """
 from __future__ import annotations
 
@@ -85,8 +86,7 @@ class NumpyBackend:
         self.layout: PageLayout | None = None
 
     def describe(self) -> str:
-        rows = "compact KV rows" if self.storage == "compact" else f"{self.storage} KV rows"
-        return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics, {rows})"
+        return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics, {self.storage} KV rows)"
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         cfg, dt = self.cfg, self.dtype
