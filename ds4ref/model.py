@@ -77,5 +77,10 @@ def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics
     from .gguf_io import open_gguf
     from .tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
-    f = open_gguf(path)
-    return DS4Model(f.metadata, f.weights(dtype), numerics=numerics, backend=backend, path=path, notes=f.notes)
+    return from_file(open_gguf(path), backend, numerics, dtype)
+
+
+def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32) -> DS4Model:
+    """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
+    return DS4Model(model_file.metadata, model_file.weights(dtype), numerics=numerics, backend=backend,
+                    path=model_file.path, notes=model_file.notes)

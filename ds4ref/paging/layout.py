@@ -6,12 +6,17 @@ Paged (grows with the sequence, 128 token positions per page):
 Per slot, not paged (fixed size):
   the raw sliding window, a ring of `sliding_window` rows per layer
   the compressor partial-window and overlap state per compressed layer
+Sizes in bytes are given for each way a backend may hold the KV and indexer rows
+(STORAGES): as the working float, or compact (ds4ref/paging/compact.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..config import DS4Config
+from .compact import index_row_bytes, kv_row_bytes
 
 
 @dataclass(frozen=True)
@@ -39,22 +44,25 @@ class PageLayout:
     def pages_for_tokens(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_tokens)
 
-    # ---- sizes (elements), used by memory estimates ------------------------
-    def page_elements(self) -> int:
-        """Elements one page holds across all layers."""
-        c = self.cfg
-        n = 0
-        for r in c.compress_ratios:
+    # ---- sizes, used by the memory plan and the backends' checks -------------
+    def page_rows(self) -> tuple[int, int]:
+        """(KV rows, indexer rows) one page holds across all layers."""
+        kv = ix = 0
+        for r in self.cfg.compress_ratios:
+            if r:
+                kv += self.rows_per_page(r)
             if r == 4:
-                n += self.rows_per_page(4) * (c.head_dim + c.indexer_head_dim)
-            elif r:
-                n += self.rows_per_page(r) * c.head_dim
-        return n
+                ix += self.rows_per_page(4)
+        return kv, ix
 
-    def slot_elements(self) -> int:
-        """Fixed per-slot elements: raw ring plus compressor state (kv and score)."""
-        c = self.cfg
-        n = c.n_layer * c.sliding_window * c.head_dim
+    def ring_rows(self) -> int:
+        """Raw window rows per slot, all layers."""
+        return self.cfg.n_layer * self.cfg.sliding_window
+
+    def compressor_elements(self) -> int:
+        """Per-slot compressor state elements (kv and score), in DS4C's layout: an upper
+        bound on what the backends allocate (they keep 4 previous rows at 1x width, not 2x)."""
+        c, n = self.cfg, 0
         for r in c.compress_ratios:
             if r == 4:
                 # previous window lane A + current window, kv and score, 2*D wide
@@ -65,3 +73,48 @@ class PageLayout:
             elif r:
                 n += 2 * r * c.head_dim
         return n
+
+    def page_elements(self) -> int:
+        """Elements one page holds across all layers."""
+        kv, ix = self.page_rows()
+        return kv * self.cfg.head_dim + ix * self.cfg.indexer_head_dim
+
+    def slot_elements(self) -> int:
+        """Fixed per-slot elements: raw ring plus compressor state (kv and score)."""
+        return self.ring_rows() * self.cfg.head_dim + self.compressor_elements()
+
+    def page_bytes(self, storage: str) -> int:
+        """Bytes one page holds across all layers, KV rows stored as `storage` (STORAGES)."""
+        kv, ix = self.page_rows()
+        return kv * kv_row_nbytes(self.cfg, storage) + ix * index_row_nbytes(self.cfg, storage)
+
+    def slot_bytes(self, storage: str) -> int:
+        """Fixed per-slot bytes: the raw ring in `storage`, the compressor state in the
+        working float (compact rows leave it float32: it is not on any grid)."""
+        return (self.ring_rows() * kv_row_nbytes(self.cfg, storage)
+                + self.compressor_elements() * STATE_ITEMSIZE[storage])
+
+
+# How stored KV / indexer rows are held: as the working float, or compact (compact.py).
+STORAGES = ("f32", "f64", "compact")
+STATE_ITEMSIZE = {"f32": 4, "f64": 8, "compact": 4}
+
+
+def kv_storage(dtype, numerics: str) -> str:
+    """The storage NumpyBackend uses: compact for official float32 (every stored row is
+    on the FP8/FP4 grid); float64 official keeps float64 rows (its role is the differential)."""
+    if np.dtype(dtype) == np.float32:
+        return "compact" if numerics == "official" else "f32"
+    return "f64"
+
+
+def kv_row_nbytes(cfg: DS4Config, storage: str) -> int:
+    if storage == "compact":
+        return kv_row_bytes(cfg.head_dim, cfg.n_rot)
+    return cfg.head_dim * STATE_ITEMSIZE[storage]
+
+
+def index_row_nbytes(cfg: DS4Config, storage: str) -> int:
+    if storage == "compact":
+        return index_row_bytes(cfg.indexer_head_dim)
+    return cfg.indexer_head_dim * STATE_ITEMSIZE[storage]

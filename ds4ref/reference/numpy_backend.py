@@ -2,9 +2,12 @@
 
 Storage follows ds4ref.paging.layout: compressed and indexer rows live in a
 shared pool of pages addressed through per-slot block tables; the raw window
-rings and compressor state are per slot. Each row of a pass runs the very same
-`Model.step` as the unpaged reference, through a view that reads history in
-logical order, so a slot's results are bitwise those of running it alone.
+rings and compressor state are per slot. In official float32 numerics the KV
+and indexer rows (rings and pages) are held in the compact lossless format of
+ds4ref.paging.compact, encoded when written and decoded when read. Each row of
+a pass runs the very same `Model.step` as the unpaged reference, through a view
+that reads history in logical order, so a slot's results are bitwise those of
+running it alone.
 """
 from __future__ import annotations
 
@@ -13,8 +16,37 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
-from ..paging.layout import PageLayout
+from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
+                              index_row_bytes, kv_row_bytes)
+from ..paging.layout import PageLayout, kv_storage
 from .state import ATTN, INDEX, make_compressors
+
+
+class CompactRing:
+    """One layer's raw window ring of compact KV rows, read and written as float32 rows.
+
+    decode.py indexes the ring as an array (`ring.shape[0]`, `ring[i] = row`,
+    `ring[positions]`); this gives it that interface over the stored bytes, so the
+    reference's code runs unchanged whatever the storage.
+    """
+
+    def __init__(self, codes: np.ndarray, head_dim: int, n_rot: int) -> None:
+        self.codes, self.head_dim, self.n_rot = codes, head_dim, n_rot
+        self.shape = (codes.shape[0], head_dim)
+        self.dtype = np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return decode_kv_rows(self.codes[idx], self.head_dim, self.n_rot)
+
+    def __setitem__(self, idx, rows) -> None:
+        self.codes[idx] = encode_kv_rows(np.asarray(rows, np.float32), self.n_rot)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = self[:]
+        return rows if dtype is None else rows.astype(dtype)
 
 
 class PagedSeqView:
@@ -23,8 +55,11 @@ class PagedSeqView:
     def __init__(self, backend: "NumpyBackend", slot: int) -> None:
         self.b, self.slot = backend, slot
 
-    def raw_ring(self, il: int) -> np.ndarray:
-        return self.b.rings[self.slot, il]
+    def raw_ring(self, il: int):
+        ring = self.b.rings[self.slot, il]
+        if self.b.storage != "compact":
+            return ring
+        return CompactRing(ring, self.b.cfg.head_dim, self.b.cfg.n_rot)
 
     def compressor(self, il: int, kind: str):
         return self.b.comps[self.slot][(il, kind)]
@@ -32,13 +67,13 @@ class PagedSeqView:
     def put_row(self, il: int, kind: str, idx: int, row: np.ndarray) -> None:
         ratio = self.b.cfg.ratio(il)
         page, off = self.b.layout.locate(self.b.block_tables[self.slot], ratio, idx)
-        self.b.pages[(il, kind)][page, off] = row
+        self.b.pages[(il, kind)][page, off] = self.b.encode(kind, row)
 
     def get_rows(self, il: int, kind: str, n: int) -> np.ndarray:
         store = self.b.pages[(il, kind)]
         per = store.shape[1]
         table = self.b.block_tables[self.slot][: -(-n // per)]
-        return store[table].reshape(-1, store.shape[-1])[:n]  # fancy index: a fresh copy
+        return self.b.decode(kind, store[table].reshape(-1, store.shape[-1])[:n])  # fancy index: a fresh copy
 
 
 class NumpyBackend:
@@ -47,26 +82,50 @@ class NumpyBackend:
     def __init__(self, model, max_rows: int = MAX_ROWS) -> None:
         self.model, self.cfg, self.dtype = model, model.config, model.dtype
         self.max_rows = max_rows
+        self.storage = kv_storage(self.dtype, model.numerics)  # how KV / indexer rows are held
         self.layout: PageLayout | None = None
 
     def describe(self) -> str:
-        return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics)"
+        return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics, {self.storage} KV rows)"
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         cfg, dt = self.cfg, self.dtype
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages = n_slots, n_pages
-        self.rings = np.zeros((n_slots, cfg.n_layer, cfg.sliding_window, cfg.head_dim), dt)
+        self.rings = np.zeros((n_slots, cfg.n_layer, cfg.sliding_window, self._width(ATTN)), self._row_dtype)
         self.comps = [make_compressors(cfg, dt) for _ in range(n_slots)]
         self.pages: dict[tuple[int, str], np.ndarray] = {}
         for il, r in enumerate(cfg.compress_ratios):
-            if r:
-                self.pages[(il, ATTN)] = np.zeros((n_pages, self.layout.rows_per_page(r), cfg.head_dim), dt)
-            if r == 4:
-                self.pages[(il, INDEX)] = np.zeros((n_pages, self.layout.rows_per_page(4),
-                                                    cfg.indexer_head_dim), dt)
+            kinds = [ATTN] + ([INDEX] if r == 4 else []) if r else []
+            for kind in kinds:
+                self.pages[(il, kind)] = np.zeros((n_pages, self.layout.rows_per_page(r), self._width(kind)),
+                                                  self._row_dtype)
         self.block_tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
         self.next_pos = np.zeros(n_slots, np.int64)
+
+    # ---- stored rows: the working float, or compact bytes (ds4ref.paging.compact) ------
+    @property
+    def _row_dtype(self):
+        return np.uint8 if self.storage == "compact" else self.dtype
+
+    def _width(self, kind: str) -> int:
+        """Last axis of a stored row: dims, or bytes when compact."""
+        c = self.cfg
+        if self.storage == "compact":
+            return kv_row_bytes(c.head_dim, c.n_rot) if kind == ATTN else index_row_bytes(c.indexer_head_dim)
+        return c.head_dim if kind == ATTN else c.indexer_head_dim
+
+    def encode(self, kind: str, rows: np.ndarray) -> np.ndarray:
+        if self.storage != "compact":
+            return rows
+        return encode_kv_rows(rows, self.cfg.n_rot) if kind == ATTN else encode_index_rows(rows)
+
+    def decode(self, kind: str, stored: np.ndarray) -> np.ndarray:
+        if self.storage != "compact":
+            return stored
+        c = self.cfg
+        return (decode_kv_rows(stored, c.head_dim, c.n_rot) if kind == ATTN
+                else decode_index_rows(stored, c.indexer_head_dim))
 
     def reset_slot(self, slot: int) -> None:
         self._check_slot(slot)

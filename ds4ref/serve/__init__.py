@@ -16,28 +16,20 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 max_queue: Optional[int] = None, served_model_name: Optional[str] = None,
                 max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: int = 1,
                 numerics: str = "official", api_key: Optional[str] = None,
-                allowed_origins: tuple[str, ...] = ()):
+                allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None):
     """A ServerState with a stopped Runner (the app's lifespan starts it)."""
-    import ds4ref
+    from ..model import from_file
+    from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
     from ..scheduler.seq_engine import SeqEngine
     from .app import ServerState
     from .metrics import Metrics
     from .runner import Runner
 
-    if not 1 <= max_concurrency <= MAX_LANES:
-        raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
-    if kv_pool_tokens is not None and max_concurrency == 1:
-        raise ValueError("--kv-pool-tokens needs --max-concurrency > 1: a single lane always gets "
-                         "a pool for its whole context")
-    model = ds4ref.load(model_path, backend=backend, numerics=numerics)
-    model_context = model.config.context_length
-    if max_context is not None and not 1 < max_context <= model_context:
-        raise ValueError(f"--max-context must be in 2..{model_context} (the model's context length), "
-                         f"got {max_context}")
-    context = max_context or model_context
-    if backend == "numpy":  # the hip backend checks device memory itself
-        check_host_memory(model.config, max_concurrency, context, kv_pool_tokens, model.reference.dtype)
+    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context)
+    check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
+    model = from_file(model_file, backend=backend, numerics=numerics)
+    context = plan.context
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context)
     scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum)
@@ -53,38 +45,72 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"{max_concurrency} lanes, {engine.pool.n_pages} KV pages of {engine.pool.page_tokens} "
                     f"tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}")
+    state.plan = summary(plan)
     return state
+
+
+def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
+               kv_pool_tokens: Optional[int], max_context: Optional[int]):
+    """The opened model file (header only) and the memory plan of serving it with these
+    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing."""
+    from ..gguf_io import open_gguf
+    from ..paging.plan import backend_storage, make_plan, weight_bytes
+    from ..tiny import default_model_path
+
+    if not 1 <= max_concurrency <= MAX_LANES:
+        raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
+    if kv_pool_tokens is not None and max_concurrency == 1:
+        raise ValueError("--kv-pool-tokens needs --max-concurrency > 1: a single lane always gets "
+                         "a pool for its whole context")
+    model_file = open_gguf(model_path if model_path is not None else default_model_path())
+    model_context = model_file.config.context_length
+    if max_context is not None and not 1 < max_context <= model_context:
+        raise ValueError(f"--max-context must be in 2..{model_context} (the model's context length), "
+                         f"got {max_context}")
+    # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
+    plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
+                     kv_pool_tokens, backend_storage(backend, numerics))
+    return model_file, plan
 
 
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _size(n_bytes: int) -> str:
-    return f"{n_bytes / (1 << 30):.1f} GiB" if n_bytes >= 1 << 30 else f"{n_bytes / (1 << 20):.1f} MiB"
+def available_memory(backend: str, memory_budget: Optional[int]) -> tuple[Optional[int], str]:
+    """(bytes the plan must fit, or None when the backend checks for itself; how to say it)."""
+    from ..paging.plan import size
+    if memory_budget is not None:
+        return memory_budget, f"{size(memory_budget)} (--memory-budget)"
+    if backend == "numpy":
+        have = host_memory_bytes()
+        return have, f"{size(have)} host RAM"
+    return None, "device memory: checked at start"
 
 
-def check_host_memory(config, lanes: int, context: int, kv_pool_tokens: Optional[int], dtype) -> None:
-    """Refuse, before allocating, a KV state that cannot fit this machine's memory,
-    naming the keys and flags that size it (a 2^40 context once ended in a bare
-    MemoryError)."""
-    import numpy as np
-    from ..backend import PAGE_TOKENS
-    from ..paging.layout import PageLayout
-    from ..paging.pool import pool_pages
+def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
+    """Refuse, before allocating, a plan that cannot fit (a 2^40 context once ended in a
+    bare MemoryError); the message names the keys and flags that size it."""
+    from ..paging.plan import check_fits
+    available, _ = available_memory(backend, memory_budget)
+    if available is not None:
+        check_fits(plan, available, "--memory-budget is" if memory_budget is not None else "this machine has")
 
-    layout, itemsize = PageLayout(config, PAGE_TOKENS), np.dtype(dtype).itemsize
-    n_pages = pool_pages(lanes, context, kv_pool_tokens, PAGE_TOKENS)
-    paged = n_pages * layout.page_elements() * itemsize
-    windows = lanes * layout.slot_elements() * itemsize
-    have = host_memory_bytes()
-    if paged + windows > have:
-        raise MemoryError(
-            f"the KV state needs {_size(paged + windows)} but this machine has {_size(have)}: "
-            f"{_size(paged)} of pages for {lanes} lanes x {context} tokens (deepseek4.context_length, "
-            f"or --max-context / --kv-pool-tokens) and {_size(windows)} of per-lane state "
-            f"(deepseek4.attention.sliding_window = {config.sliding_window}); lower --max-context, "
-            f"--kv-pool-tokens or --max-concurrency")
+
+def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
+            kv_pool_tokens: Optional[int], max_context: Optional[int],
+            memory_budget: Optional[int]) -> tuple[str, Optional[str]]:
+    """(the plan's table, why it does not fit or None): what --dry-run prints."""
+    from ..paging.plan import PlanError, table
+    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context)
+    _, available = available_memory(backend, memory_budget)
+    text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
+            f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available))
+    try:
+        check_plan(plan, backend, memory_budget)
+    except PlanError as e:
+        return text, str(e)
+    return text, None
 
 
 def create_app(state):

@@ -5,6 +5,7 @@ import argparse
 import errno
 import logging
 import os
+import re
 import socket
 import sys
 from ..cli import HelpFormatter
@@ -35,6 +36,20 @@ def non_negative(text: str) -> int:
     return _int_in(text, 0, None)
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """Bytes, with an optional binary unit: 1073741824, 512M, 128G, 1.5GiB."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 128G, 512M or a number of bytes, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds4ref.serve", description="Serve a DS4 model over an "
                                 "OpenAI-compatible HTTP API.",
@@ -52,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
                         "default: every lane can reach the full context)")
     p.add_argument("--max-context", type=positive, default=None,
                    help="per-request context limit, prompt plus output (default: the model's)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the memory plan (weights, paged KV history, per-slot state) and exit: 0 if it "
+                        "fits, 2 if not; reads no tensor data, allocates nothing, binds no port")
+    p.add_argument("--memory-budget", type=byte_size, default=None,
+                   help="bytes the plan must fit, e.g. 128G (default: host RAM for numpy; the hip backend "
+                        "checks device memory at start)")
     p.add_argument("--max-queue", type=non_negative, default=None,
                    help="requests allowed to wait for a lane; more get 503 (default: unbounded)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: general.name)")
@@ -92,18 +113,35 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from . import build_state, create_app
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    if args.dry_run:
+        return _dry_run(args)
     try:
         sock = bind(args.host, args.port)
         state = build_state(args.model, args.backend, args.max_concurrency, args.kv_pool_tokens,
                             args.max_context, args.max_queue, args.served_model_name,
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
-                            api_key=args.api_key, allowed_origins=origins)
+                            api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
-    print(f"{state.banner}; listening on http://{args.host}:{args.port}", flush=True)
+    print(f"{state.banner}; listening on http://{args.host}:{args.port}\n{state.plan}", flush=True)
     from .shutdown import serve
     serve(create_app(state), state.runner, sock, args.log_level, args.shutdown_timeout)
+    return 0
+
+
+def _dry_run(args) -> int:
+    from . import dry_run
+    try:
+        text, refusal = dry_run(args.model, args.backend, args.numerics, args.max_concurrency, args.kv_pool_tokens,
+                                args.max_context, args.memory_budget)
+    except Exception as e:  # a bad flag combination, an unreadable file
+        print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)
+        return 2
+    print(text, flush=True)
+    if refusal:
+        print(f"ds4ref.serve: error: {refusal}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -51,6 +51,7 @@ class ServerState:
     max_context: int
     vocab_size: int
     banner: str = ""
+    plan: str = ""                     # the memory plan's line (paging.plan.summary)
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     pool_tokens: Optional[int] = None  # KV pool size: a default max_tokens is clamped to fit it

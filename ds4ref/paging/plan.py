@@ -1,0 +1,178 @@
+"""The memory plan of a server start, computed before anything is allocated.
+
+From the config, the weights' stored bytes (the GGUF header gives them) and the serving
+flags: the weights, the paged KV history (pool pages x bytes per page), the per-slot
+fixed state (raw rings + compressor state) and their total; and, to compare the two
+storage forms, bytes per token of context and per slot as float32 and as compact rows.
+Sizes come from PageLayout, the pool size from pool_pages (what SeqEngine allocates).
+
+    python -m ds4ref.paging.plan --flash     # the table of docs/paging.md
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from ..backend import PAGE_TOKENS
+from ..config import DS4Config
+from .layout import PageLayout, kv_storage
+from .pool import pool_pages
+
+
+class PlanError(MemoryError):
+    """The plan does not fit the memory available."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    config: DS4Config
+    weights: int        # stored tensor bytes the forward pass reads
+    lanes: int
+    context: int        # per-request context limit
+    n_pages: int
+    storage: str        # how the backend holds KV rows (layout.STORAGES)
+    page_tokens: int = PAGE_TOKENS
+
+    @property
+    def layout(self) -> PageLayout:
+        return PageLayout(self.config, self.page_tokens)
+
+    @property
+    def paged(self) -> int:
+        return self.n_pages * self.layout.page_bytes(self.storage)
+
+    @property
+    def per_slot(self) -> int:
+        return self.layout.slot_bytes(self.storage)
+
+    @property
+    def slots(self) -> int:
+        return self.lanes * self.per_slot
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.paged + self.slots
+
+    def bytes_per_token(self, storage: str) -> float:
+        """Paged history per token of context (the raw ring is per slot, not per token)."""
+        return self.layout.page_bytes(storage) / self.page_tokens
+
+
+def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool_tokens: Optional[int],
+              storage: str, page_tokens: int = PAGE_TOKENS) -> MemoryPlan:
+    return MemoryPlan(config, weights, lanes, context,
+                      pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens)
+
+
+def backend_storage(backend: str, numerics: str, dtype="float32") -> str:
+    """How a backend holds KV rows: NumpyBackend's rule, or float32 on the device (the HIP
+    backend's state, hip/device_state.py, keeps float32 rows)."""
+    return kv_storage(dtype, numerics) if backend == "numpy" else "f32"
+
+
+def weight_bytes(model_file) -> int:
+    """Stored bytes of the tensors the forward pass reads, from the GGUF directory (no data read)."""
+    from ..tensors import tensor_shapes
+    return sum(model_file.tensors[name].n_bytes for name in tensor_shapes(model_file.config))
+
+
+# ---- checking and printing ------------------------------------------------------------
+
+
+def size(n: float) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n:g} B"
+
+
+def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
+    """Raise PlanError (one line, naming the parts and the flags that size them) unless
+    the plan's total fits `available` bytes; `where` says what those bytes are."""
+    if plan.total <= available:
+        return
+    c = plan.config
+    if plan.weights > available:
+        raise PlanError(f"the weights alone need {size(plan.weights)} but {where} {size(available)}")
+    raise PlanError(
+        f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
+        f"{size(plan.weights)}, {size(plan.paged)} of paged history ({plan.n_pages} pages) for "
+        f"{plan.lanes} lanes x {plan.context} tokens (deepseek4.context_length, or --max-context / "
+        f"--kv-pool-tokens) and {size(plan.slots)} of per-lane state (deepseek4.attention.sliding_window = "
+        f"{c.sliding_window}); lower --max-context, --kv-pool-tokens or --max-concurrency")
+
+
+def summary(plan: MemoryPlan) -> str:
+    """The banner's line."""
+    return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
+            f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
+            f"per-slot state {plan.lanes} x {size(plan.per_slot)}")
+
+
+def table(plan: MemoryPlan, available: str) -> str:
+    """The dry run's table."""
+    lay = plan.layout
+    rows = [("weights", plan.weights, "stored tensor bytes"),
+            ("paged history", plan.paged,
+             f"{plan.n_pages} pages x {lay.page_bytes(plan.storage):,} B ({plan.storage} KV rows)"),
+            ("per-slot state", plan.slots, f"{plan.lanes} lanes x {plan.per_slot:,} B"),
+            ("total", plan.total, "")]
+    out = [f"{name:<16}{n:>14,}  {size(n):>10}  {note}".rstrip() for name, n, note in rows]
+    return "\n".join([*out, f"{'available':<16}{available}", "", *storage_lines(plan)])
+
+
+def storage_lines(plan: MemoryPlan) -> list[str]:
+    """bytes/token and bytes/slot, f32 vs compact rows."""
+    lay = plan.layout
+    f32, compact = plan.bytes_per_token("f32"), plan.bytes_per_token("compact")
+    return [f"{'KV rows as':<16}{'f32':>14}  {'compact':>10}",
+            f"{'bytes/token':<16}{f32:>14,.2f}  {compact:>10,.2f}  paged history per token of context "
+            f"({f32 / compact:.2f}x less)",
+            f"{'bytes/slot':<16}{lay.slot_bytes('f32'):>14,}  {lay.slot_bytes('compact'):>10,}  "
+            f"raw rings + compressor state (the latter f32 in both)"]
+
+
+# ---- python -m ds4ref.paging.plan --flash ---------------------------------------------
+
+
+def flash_config() -> DS4Config:
+    """DeepSeek V4 Flash's dimensions (spec §1); only the sizes matter here."""
+    from ..tiny import flash_ratio
+    n = 43
+    return DS4Config(
+        n_layer=n, n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, n_rot=64, q_lora_rank=1024,
+        o_lora_rank=1024, o_groups=8, n_expert=256, n_expert_used=6, n_expert_shared=1, expert_ff=2048,
+        n_hash_layers=3, expert_weights_scale=1.5, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
+        indexer_top_k=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6,
+        compress_ratios=tuple(flash_ratio(i) for i in range(n)), swiglu_clamp=(10.0,) * n,
+        rope_freq_base=10000.0, compress_rope_freq_base=160000.0, yarn_factor=16.0, yarn_orig_ctx=65536,
+        yarn_beta_fast=32.0, yarn_beta_slow=1.0, name="DeepSeek V4 Flash (dimensions)")
+
+
+def flash_report(contexts=(4096, 32768, 131072, 1 << 20)) -> str:
+    plan = make_plan(flash_config(), 0, 1, 1 << 20, None, "compact")
+    lay = plan.layout
+    lines = [f"DeepSeek V4 Flash: {lay.page_rows()[0]} KV + {lay.page_rows()[1]} indexer rows per page of "
+             f"{plan.page_tokens} tokens",
+             *storage_lines(plan),
+             f"{'bytes/page':<16}{lay.page_bytes('f32'):>14,}  {lay.page_bytes('compact'):>10,}",
+             "paged history of one sequence by context (f32 / compact):"]
+    for n in contexts:
+        pages = -(-n // plan.page_tokens)
+        lines.append(f"  {n:>8} tokens  {size(pages * lay.page_bytes('f32')):>10} / "
+                     f"{size(pages * lay.page_bytes('compact'))}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds4ref.paging.plan",
+                                description="KV memory per token and per slot, float32 vs compact rows.")
+    p.add_argument("--flash", action="store_true", help="DeepSeek V4 Flash's dimensions (the only choice now)")
+    p.parse_args(argv)
+    print(flash_report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The memory plan (ds4ref/paging/plan.py), the server's --dry-run and its refusals."""
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+import ds4ref.serve as serve
+from ds4ref import gguf_io
+from ds4ref.paging.layout import PageLayout
+from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, weight_bytes
+from ds4ref.serve.__main__ import byte_size, main
+
+# ---- Flash, from the spec's formulas (DS4_SPEC §1, §7.2) -----------------------------------------------------
+# 43 layers: ratios 0, 0, then 4 on even and 128 on odd layers: 21 ratio-4 (CSA), 20 ratio-128 (HCA).
+CSA, HCA, LAYERS, D, NOPE, ROT, DI, WINDOW = 21, 20, 43, 512, 448, 64, 128, 128
+KV_ROW = NOPE + NOPE // 64 + 1 + 4 * ROT     # E4M3 codes, 7 exponents, 1 pad byte, f32 RoPE = 712
+INDEX_ROW = DI // 2 + DI // 32               # E2M1 pairs, 4 exponents = 68
+PAGE_F32 = 1_761_280                         # §7.2: 440,320 elements per 128-token page
+PAGE_COMPACT = CSA * 32 * (KV_ROW + INDEX_ROW) + HCA * 1 * KV_ROW
+RING_ELEMENTS = 2_818_048                    # §7.2: 43 x 128 x 512
+COMPRESSOR_ELEMENTS = CSA * (2 * 8 * 1024 + 2 * 8 * 256) + HCA * 2 * 128 * 512  # DS4C layout, "3.05 M"
+
+
+def test_flash_sizes_follow_the_spec():
+    lay = PageLayout(flash_config())
+    assert flash_config().compress_ratios.count(4) == CSA and flash_config().compress_ratios.count(128) == HCA
+    assert (KV_ROW, INDEX_ROW, COMPRESSOR_ELEMENTS) == (712, 68, 3_051_520)
+    assert lay.page_bytes("f32") == PAGE_F32 and PAGE_F32 / 128 == 13_760  # §7.2: 13,760 B/token
+    assert lay.page_bytes("compact") == PAGE_COMPACT == 538_400
+    assert lay.slot_bytes("f32") == 4 * (RING_ELEMENTS + COMPRESSOR_ELEMENTS)
+    assert lay.slot_bytes("compact") == LAYERS * WINDOW * KV_ROW + 4 * COMPRESSOR_ELEMENTS
+    assert lay.page_bytes("f64") == 2 * PAGE_F32
+
+
+@pytest.mark.parametrize("lanes, context, pool, pages", [(1, 1 << 20, None, 8192), (16, 4096, None, 16 * 32),
+                                                         (8, 65536, 262_144, 2048), (8, 65536, 1000, 8)])
+def test_flash_plan_totals(lanes, context, pool, pages):
+    weights = 86_000_000_000  # any figure: the plan adds it as it is
+    plan = make_plan(flash_config(), weights, lanes, context, pool, "compact")
+    assert plan.n_pages == pages  # a full context per lane unless --kv-pool-tokens, in whole pages
+    assert plan.paged == pages * PAGE_COMPACT
+    assert plan.slots == lanes * (LAYERS * WINDOW * KV_ROW + 4 * COMPRESSOR_ELEMENTS)
+    assert plan.total == weights + pages * PAGE_COMPACT + plan.slots
+    assert plan.bytes_per_token("f32") == 13_760 and plan.bytes_per_token("compact") == PAGE_COMPACT / 128
+    check_fits(plan, plan.total, "the budget is")
+    with pytest.raises(PlanError, match="lower --max-context, --kv-pool-tokens or --max-concurrency"):
+        check_fits(plan, plan.total - 1, "the budget is")
+
+
+def test_flash_report_prints_the_documented_figures():
+    text = flash_report()
+    assert "13,760.00" in text and "4,206.25" in text and "23,478,272" in text and "16,124,928" in text
+
+
+def test_weights_are_the_files_stored_tensor_bytes(tiny_model_path):
+    f = gguf_io.open_gguf(tiny_model_path)
+    assert weight_bytes(f) == sum(int(t.n_bytes) for t in gguf.GGUFReader(tiny_model_path).tensors)
+
+
+def test_the_plan_is_what_numpy_backend_allocates(tiny_model_path):
+    """Paged bytes and ring bytes exactly; compressor state at most the plan's (DS4C's layout)."""
+    for numerics in ("official", "plain"):
+        _, plan = serve.plan_start(str(tiny_model_path), "numpy", numerics, 3, None, 300)
+        state = serve.build_state(str(tiny_model_path), max_concurrency=3, max_context=300, numerics=numerics)
+        engine = state.runner.scheduler.engine
+        b = engine.backend
+        assert engine.pool.n_pages == plan.n_pages == 3 * 3
+        assert sum(p.nbytes for p in b.pages.values()) == plan.paged
+        comps = sum(a.nbytes for c in b.comps for s in c.values() for a in vars(s).values()
+                    if isinstance(a, np.ndarray))
+        ring_row = {"official": 64 + 1 + 3 + 4 * 32, "plain": 4 * 96}[numerics]  # tiny: D 96, 32 RoPE dims
+        assert b.rings.nbytes == 3 * 6 * 16 * ring_row == plan.lanes * plan.layout.ring_rows() * ring_row
+        assert 0 < comps <= plan.lanes * plan.layout.compressor_elements() * 4
+        assert "memory plan: " in state.plan and b.storage == plan.storage
+        state.runner.stop()
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_tensor_data(monkeypatch):
+    """Reading any tensor's data, building a model or allocating a backend fails the test."""
+    def refuse(*a, **k):
+        raise AssertionError("the dry run touched tensor data or allocated")
+    monkeypatch.setattr(gguf_io, "decode_tensor", refuse)
+    monkeypatch.setattr(gguf_io.GGUFModelFile, "read", refuse)
+    monkeypatch.setattr(gguf_io.GGUFModelFile, "read_expert", refuse)
+    monkeypatch.setattr("ds4ref.model.DS4Model.__init__", refuse)
+    monkeypatch.setattr("ds4ref.reference.numpy_backend.NumpyBackend.configure", refuse)
+
+
+def test_dry_run_prints_the_plan_and_exits_0(no_tensor_data, capsys):
+    assert main(["--dry-run", "--max-concurrency", "4", "--max-context", "1000"]) == 0
+    out = capsys.readouterr().out
+    _, plan = serve.plan_start(None, "numpy", "official", 4, None, 1000)
+    for line in ("weights", "paged history", "per-slot state", "total", "available", "bytes/token", "bytes/slot"):
+        assert line in out
+    assert f"{plan.total:,}" in out and "host RAM" in out
+    assert f"{4 * 8} pages x {plan.layout.page_bytes('compact'):,} B (compact KV rows)" in out
+
+
+def test_dry_run_of_the_hip_backend_imports_no_gpu_code(no_tensor_data, capsys, monkeypatch):
+    import sys
+    for m in ("backend", "runtime", "guards", "device_state", "device_weights", "ops"):
+        monkeypatch.setitem(sys.modules, f"ds4ref.hip.{m}", None)  # importing it raises ImportError
+    assert main(["--dry-run", "--backend", "hip"]) == 0
+    assert "device memory: checked at start" in capsys.readouterr().out
+
+
+def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
+    assert main(["--dry-run", "--memory-budget", "4M"]) == 2
+    out, err = capsys.readouterr()
+    assert "total" in out  # the table still shows what it would take
+    (line,) = err.strip().splitlines()
+    assert line.startswith("ds4ref.serve: error: the memory plan needs 14.3 MiB but --memory-budget is 4.0 MiB:")
+    assert "paged history" in line and "per-lane state" in line and "--max-concurrency" in line
+    assert main(["--dry-run", "--memory-budget", "1M"]) == 2
+    assert "the weights alone need 3.0 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
+
+
+def test_start_refuses_before_allocating(monkeypatch, tiny_model_path):
+    def refuse(*a, **k):
+        raise AssertionError("allocated before the plan was checked")
+    monkeypatch.setattr("ds4ref.reference.numpy_backend.NumpyBackend.configure", refuse)
+    with pytest.raises(PlanError, match="--memory-budget is 4.0 MiB"):
+        serve.build_state(str(tiny_model_path), memory_budget=4 << 20)
+    assert main(["--memory-budget", "4M", "--port", "0"]) == 2
+
+
+@pytest.mark.parametrize("text, n", [("128G", 128 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),
+                                     ("2t", 2 << 40), ("64KB", 64 << 10)])
+def test_memory_budget_sizes(text, n):
+    assert byte_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["12X", "", "-1G", "0"])
+def test_bad_memory_budgets(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_size(text)
