@@ -13,7 +13,8 @@ import pytest
 
 from ds4ref.hip import ops as K
 from ds4ref.hip.backend import HipBackend
-from ds4ref.hip.device_state import DeviceState, compact_index_bytes, compact_kv_bytes
+from ds4ref.hip.device_state import DeviceState
+from ds4ref.paging.compact import index_row_bytes as compact_index_bytes, kv_row_bytes as compact_kv_bytes
 from ds4ref.hip.device_weights import DeviceWeights
 from ds4ref.hip.runtime import KERNEL_DIR
 from ds4ref.reference.layers import Tables

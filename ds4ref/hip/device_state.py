@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import MAX_ROWS
-from ..paging.layout import PageLayout
+from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
 from ..reference.state import ATTN, INDEX
 
 # kernels/step_state.hip's row formats
@@ -120,20 +120,9 @@ class CompState:
 
 
 def row_bytes(cfg, kind: str, compact: bool) -> int:
-    """Bytes of one stored KV (ATTN) or indexer (INDEX) row."""
-    if kind == ATTN:
-        D, nrot = cfg.head_dim, cfg.n_rot
-        return compact_kv_bytes(D, nrot) if compact else 4 * D
-    return compact_index_bytes(cfg.indexer_head_dim) if compact else 4 * cfg.indexer_head_dim
-
-
-def compact_kv_bytes(D: int, nrot: int) -> int:
-    nope = D - nrot
-    return (nope + nope // 64 + 3) // 4 * 4 + 4 * nrot
-
-
-def compact_index_bytes(Di: int) -> int:
-    return (Di // 2 + Di // 32 + 3) // 4 * 4
+    """Bytes of one stored KV (ATTN) or indexer (INDEX) row (sizes: paging.layout)."""
+    storage = "compact" if compact else "f32"
+    return kv_row_nbytes(cfg, storage) if kind == ATTN else index_row_nbytes(cfg, storage)
 
 
 def row_format(kind: str, compact: bool) -> int:
@@ -178,11 +167,8 @@ class DeviceState:
     def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int, compact: bool = False) -> int:
         layout = PageLayout(cfg, page_tokens)
         maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
-        kv, ix = row_bytes(cfg, ATTN, compact), row_bytes(cfg, INDEX, compact)
-        page = sum(layout.rows_per_page(r) * (kv + (ix if r == 4 else 0)) for r in cfg.compress_ratios if r)
-        ring = cfg.n_layer * cfg.sliding_window * cfg.head_dim
-        slot = 4 * (layout.slot_elements() - ring) + ring * kv // cfg.head_dim
-        return n_pages * page + n_slots * slot + 4 * n_slots * maxp
+        storage = "compact" if compact else "f32"
+        return n_pages * layout.page_bytes(storage) + n_slots * (layout.slot_bytes(storage) + 4 * maxp)
 
     # ---- allocation helpers ----------------------------------------------------
     def _fill(self, n: int, bits: int):

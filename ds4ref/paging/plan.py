@@ -66,9 +66,9 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
 
 
 def backend_storage(backend: str, numerics: str, dtype="float32") -> str:
-    """How a backend holds KV rows: NumpyBackend's rule, or float32 on the device (the HIP
-    backend's state, hip/device_state.py, keeps float32 rows)."""
-    return kv_storage(dtype, numerics) if backend == "numpy" else "f32"
+    """How a backend holds KV rows: NumpyBackend's rule; the HIP backend works in float32, so
+    the same rule at float32 (hip/device_state.py stores compact rows in official numerics)."""
+    return kv_storage(dtype if backend == "numpy" else "float32", numerics)
 
 
 def weight_bytes(model_file) -> int:

@@ -100,6 +100,34 @@ def test_logits_bitwise_equal_reference(model, rt):
     assert_rows_bitwise(got, want, f"[{model.numerics}] one slot vs decode_logits")
 
 
+def test_stored_rows_are_numpys_bytes(model, rt):
+    """The state both backends keep after the same 700 ragged positions is the same bytes:
+    in official numerics the compact FP8/FP4 rows of docs/paging.md (the device encodes them
+    in step_comp_store / step_ring_commit), in plain numerics float32 rows."""
+    from ds4ref.reference.state import ATTN, INDEX
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, model.config.vocab_size, 700)
+    table = [5, 2, 7, 0, 3, 6]
+    backends = [hip(model, rt), NumpyBackend(model.reference)]
+    for b in backends:
+        b.configure(2, 8)
+        b.reset_slot(1)
+        b.set_block_table(1, table)
+        feed(b, 1, ids, ragged(np.random.default_rng(4), len(ids)))
+    dev, ref = backends
+    assert dev.compact == (model.numerics == "official")
+    st = dev.state
+    for (il, kind), buf in st.pages.items():
+        want = np.ascontiguousarray(ref.pages[(il, kind)]).view(np.uint8).reshape(8, -1)
+        got = rt.download(buf, want.shape, np.uint8)
+        assert st.row_bytes[kind] * ref.layout.rows_per_page(model.config.ratio(il)) == want.shape[1]
+        for page in table:
+            assert np.array_equal(got[page], want[page]), f"layer {il} {kind}, page {page}: bytes differ"
+    ring = rt.download(st.rings, (2, st.ring_slot_bytes), np.uint8)
+    want = np.ascontiguousarray(ref.rings).view(np.uint8).reshape(2, -1)
+    assert np.array_equal(ring[1], want[1]), "raw window rings differ"
+
+
 # ---------------------------------------------------------------------------
 # (b) tokens and logprobs under the shared Engine
 # ---------------------------------------------------------------------------
