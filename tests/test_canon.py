@@ -107,6 +107,24 @@ def test_linear_is_the_written_order(seed, n, rows, k):
     assert np.array_equal(canon.linear(x, w, split=False), warp8_dot_vectorised(x, w, k))
 
 
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 64), rows=st.integers(1, 200),
+       k=st.sampled_from([1, 8, 96, 255, 256, 520, 2048, 2048 + 300]), split=st.booleans())
+def test_batched_linear_equals_per_row_linear(seed, n, rows, k, split):
+    """canon.linear over n rows at once (each weight block read once for all of them) gives
+    every row the bits of that row alone, and of the one-output-at-a-time matvec; k >= 2048
+    with rows <= 64 takes the split rule."""
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((n, k)).astype(F32), rng.standard_normal((rows, k)).astype(F32)
+    zeros = rng.random(x.shape) < 0.05  # exact zeros of both signs: signed-zero sums
+    x[zeros] = np.where(rng.random(x.shape) < 0.5, F32(0.0), F32(-0.0))[zeros]
+    got = canon.linear(x, w, split)
+    ks = (canon.ksplit(rows, k) if split else 0) or k
+    assert np.array_equal(got.view(np.uint32), canon._matvec(x, w, ks).view(np.uint32))
+    alone = np.concatenate([canon.linear(x[i:i + 1], w, split) for i in range(n)])
+    assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
+
+
 @settings(max_examples=20)
 @given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([1, 96, 255, 256, 512, 4096, 16384 + 40]))
 def test_sum_of_squares_is_the_written_order(seed, d):

@@ -19,6 +19,7 @@ without fastmath, which is never turned on here (tests/test_canon.py checks).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numba
 import numpy as np
@@ -183,6 +184,7 @@ def _dot_warp8(w, x, c0, clen, p):
 
 @numba.njit(cache=True)
 def _matvec(x, w, ks):
+    """The written order, one output at a time: the per-row yardstick of _matmul (tests)."""
     n, k = x.shape
     rows = w.shape[0]
     y = np.empty((n, rows), np.float32)
@@ -196,6 +198,92 @@ def _matvec(x, w, ks):
     return y
 
 
+MM_ROWS = 256  # weight rows per block of _matmul: their 32 partials per input fit in L1
+
+
+@numba.njit(cache=True)
+def _matmul(x, wb, rows, ks):
+    """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
+    element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
+    same order, the same butterfly, the slices summed in order; so a row's outputs do not
+    depend on the other rows. The innermost loop runs over a block's weight rows
+    (independent accumulators, vectorisable); lane t's partial takes column
+    c = s*256 + t*8 + j of a slice, and visiting (s, j, t) in that nesting keeps each
+    partial's additions in the order s, then j."""
+    n, k = x.shape
+    nb, _, bw = wb.shape
+    y = np.empty((n, rows), np.float32)
+    p = np.empty((LANES, bw), np.float32)
+    tot = np.empty(bw, np.float32)
+    for b in range(nb):
+        wt = wb[b]
+        for a in range(n):
+            xa = x[a]
+            tot[:] = _ZERO
+            for c0 in range(0, k, ks):
+                clen = min(ks, k - c0)
+                p[:, :] = _ZERO
+                for s in range(0, clen, LANES * 8):
+                    for j in range(8):
+                        for t in range(LANES):
+                            c = s + t * 8 + j
+                            if c >= clen:
+                                break
+                            xv = xa[c0 + c]
+                            pt = p[t]
+                            wc = wt[c0 + c]
+                            for i in range(bw):
+                                pt[i] = pt[i] + wc[i] * xv
+                h = LANES // 2
+                while h >= 1:
+                    for q in range(h):
+                        for i in range(bw):
+                            p[q, i] = p[q, i] + p[q + h, i]
+                    h //= 2
+                for i in range(bw):
+                    tot[i] = tot[i] + p[0, i]
+            for i in range(min(bw, rows - b * bw)):
+                y[a, b * bw + i] = tot[i]
+    return y
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    rows, k = w.shape
+    bw = max(1, min(rows, MM_ROWS))
+    nb = -(-rows // bw)
+    padded = np.zeros((nb * bw, k), F32)
+    padded[:rows] = w
+    return np.ascontiguousarray(padded.reshape(nb, bw, k).transpose(0, 2, 1))
+
+
+_BLOCKS: dict[int, tuple] = {}   # id(root array) -> (weakref, {view: blocks})
+_BY_ID: dict[int, tuple] = {}    # id(array) -> (weakref, blocks): the fast path
+
+
+def weight_blocks(w: np.ndarray) -> np.ndarray:
+    """w (rows, K) as _matmul reads it: blocks of MM_ROWS rows, each transposed to (K, MM_ROWS),
+    the last one padded with zero rows. A read-only w (the model's weights are) is laid out
+    once: the copy is kept, per view, for as long as the memory w views lives."""
+    hit = _BY_ID.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    root = w
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if w.flags.writeable or root.flags.writeable:
+        return _blocks(w)
+    key = id(root)
+    entry = _BLOCKS.get(key)
+    if entry is None or entry[0]() is not root:
+        entry = _BLOCKS[key] = (weakref.ref(root, lambda _, key=key: _BLOCKS.pop(key, None)), {})
+    view = (w.__array_interface__["data"][0] - root.__array_interface__["data"][0], w.shape, w.strides)
+    wb = entry[1].get(view)
+    if wb is None:
+        wb = entry[1][view] = _blocks(w)
+    _BY_ID[id(w)] = (weakref.ref(w, lambda _, key=id(w): _BY_ID.pop(key, None)), wb)
+    return wb
+
+
 def ksplit(rows: int, cols: int) -> int:
     """Columns per slice of a split dense dot product (0: not split). A property of the
     matrix's shape: few long rows (hc mixes, router, indexer weights) are cut into slices
@@ -205,12 +293,13 @@ def ksplit(rows: int, cols: int) -> int:
 
 def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     """x @ w.T, each output one warp dot (sliced by `ksplit` for dense weights; routed
-    experts pass split=False, their kernel never slices)."""
+    experts pass split=False, their kernel never slices). All rows of x in one pass over
+    the weights; every row's result is bitwise that of the row alone."""
     x = np.ascontiguousarray(x, F32)
-    w = np.ascontiguousarray(w, F32)
+    w = np.asarray(w, F32)
     k = x.shape[-1]
     ks = (ksplit(w.shape[0], k) if split else 0) or max(k, 1)
-    y = _matvec(x.reshape(-1, k), w, ks)
+    y = _matmul(x.reshape(-1, k), weight_blocks(w), w.shape[0], ks)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
@@ -249,14 +338,26 @@ def seqsum(terms) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _dot_lanes(q, k, p):
-    """Warp dot of two length-D vectors: lane t sums dims t, t+32, ... in order, then the butterfly."""
-    for t in range(LANES):
-        p[t] = _ZERO
-    for t in range(LANES):
-        for i in range(t, q.size, LANES):
-            p[t] = p[t] + q[i] * k[i]
-    return _butterfly(p, LANES)
+def _dots_lanes(q, kt, p, out):
+    """out[n] = warp dot of q (D,) with key n, kt = keys.T (D, N): lane t sums dims t, t+32, ...
+    in order, then the butterfly. All keys at once (the innermost loop runs over keys);
+    p is (32, >= N) scratch."""
+    d, n = kt.shape
+    p[:, :n] = _ZERO
+    for b in range(0, d, LANES):  # dims b .. b+31: one per lane, each lane's terms in order
+        for t in range(min(LANES, d - b)):
+            qv = q[b + t]
+            row = kt[b + t]
+            pt = p[t]
+            for i in range(n):
+                pt[i] = pt[i] + qv * row[i]
+    h = LANES // 2
+    while h >= 1:
+        for t in range(h):
+            for i in range(n):
+                p[t, i] = p[t, i] + p[t + h, i]
+        h //= 2
+    out[:n] = p[0, :n]
 
 
 # ---------------------------------------------------------------------------
@@ -352,22 +453,26 @@ def rope_cos_sin(omega: np.ndarray, pos) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True)
-def _rotate(v, h):
+def _rotate(v, ht):
+    """out[r, j] = sum over i in order of v[r, i] * h[j, i], ht = h.T: every output j of a row
+    at once (the innermost loop runs over j)."""
     n, d = v.shape
-    out = np.empty((n, h.shape[0]), np.float32)
+    out = np.zeros((n, ht.shape[1]), np.float32)
     for r in range(n):
-        for j in range(h.shape[0]):
-            acc = _ZERO
-            for i in range(d):
-                acc = acc + v[r, i] * h[j, i]
-            out[r, j] = acc
+        o = out[r]
+        for i in range(d):
+            vi = v[r, i]
+            hi = ht[i]
+            for j in range(o.size):
+                o[j] = o[j] + vi * hi[j]
     return out
 
 
 def hadamard_rotate(v: np.ndarray, h: np.ndarray) -> np.ndarray:
     """v @ h.T, each output summed over i in order (one thread per output on the GPU)."""
     v = np.ascontiguousarray(v, F32)
-    return _rotate(v.reshape(-1, v.shape[-1]), np.ascontiguousarray(h, F32)).reshape(v.shape[:-1] + (h.shape[0],))
+    ht = np.ascontiguousarray(np.asarray(h, F32).T)
+    return _rotate(v.reshape(-1, v.shape[-1]), ht).reshape(v.shape[:-1] + (h.shape[0],))
 
 
 # ---------------------------------------------------------------------------
@@ -383,26 +488,30 @@ def _attention(q, keys, sinks, scale):
     n = keys.shape[0]
     nz = (n + ATTN_SLICE - 1) // ATTN_SLICE
     out = np.empty((h_n, d), np.float32)
-    p = np.empty(LANES, np.float32)
+    kt = keys.T.copy()
+    p = np.empty((LANES, n), np.float32)
+    sc = np.empty(n, np.float32)
     zm = np.empty(nz, np.float32)
     zden = np.empty(nz, np.float32)
+    ze = np.empty(nz, np.float32)
     zacc = np.empty((nz, d), np.float32)
     for h in range(h_n):
+        _dots_lanes(q[h], kt, p, sc)
         for z in range(nz):
             m, den = -_INF, _ZERO
             acc = zacc[z]
             acc[:] = _ZERO
             for i in range(z * ATTN_SLICE, min(n, (z + 1) * ATTN_SLICE)):
                 k = keys[i]
-                sc = _dot_lanes(q[h], k, p) * scale
-                if sc > m:
-                    c = exp_f32(m - sc)
+                si = sc[i] * scale
+                if si > m:
+                    c = exp_f32(m - si)
                     den = den * c + _ONE
                     for t in range(d):
                         acc[t] = acc[t] * c + k[t]
-                    m = sc
+                    m = si
                 else:
-                    e = exp_f32(sc - m)
+                    e = exp_f32(si - m)
                     den = den + e
                     for t in range(d):
                         acc[t] = acc[t] + e * k[t]
@@ -413,11 +522,12 @@ def _attention(q, keys, sinks, scale):
             mf = max(mf, zm[z])
         dtot = exp_f32(sk - mf)
         for z in range(nz):
-            dtot = dtot + zden[z] * exp_f32(zm[z] - mf)
+            ze[z] = exp_f32(zm[z] - mf)
+            dtot = dtot + zden[z] * ze[z]
         for t in range(d):
             a = _ZERO
             for z in range(nz):
-                a = a + zacc[z, t] * exp_f32(zm[z] - mf)
+                a = a + zacc[z, t] * ze[z]
             out[h, t] = a / dtot
     return out
 
@@ -446,13 +556,14 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 @numba.njit(cache=True)
 def _indexer_scores(qi, wts, keys):
     n = keys.shape[0]
-    out = np.empty(n, np.float32)
-    p = np.empty(LANES, np.float32)
-    for r in range(n):
-        total = _ZERO
-        for h in range(qi.shape[0]):
-            total = total + max(_dot_lanes(qi[h], keys[r], p), _ZERO) * wts[h]
-        out[r] = total
+    out = np.zeros(n, np.float32)
+    kt = keys.T.copy()
+    p = np.empty((LANES, n), np.float32)
+    dots = np.empty(n, np.float32)
+    for h in range(qi.shape[0]):
+        _dots_lanes(qi[h], kt, p, dots)
+        for r in range(n):
+            out[r] = out[r] + max(dots[r], _ZERO) * wts[h]
     return out
 
 

@@ -2,9 +2,11 @@
 
 Storage follows ds4ref.paging.layout: compressed and indexer rows live in a
 shared pool of pages addressed through per-slot block tables; the raw window
-rings and compressor state are per slot. Each row of a pass runs the very same
-`Model.step` as the unpaged reference, through a view that reads history in
-logical order, so a slot's results are bitwise those of running it alone.
+rings and compressor state are per slot. A pass runs all its rows through
+`Model.step_rows`, the very computation of the unpaged reference (one token is the
+pass of one row), through views that read history in logical order; every product is
+batch-invariant and every state update runs row by row in plan order, so a slot's
+results are bitwise those of running it alone, one row a pass.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
 from ..paging.layout import PageLayout
-from .state import ATTN, INDEX, make_compressors
+from .state import ATTN, INDEX, make_compressors, raw_window
 
 
 class PagedSeqView:
@@ -23,8 +25,13 @@ class PagedSeqView:
     def __init__(self, backend: "NumpyBackend", slot: int) -> None:
         self.b, self.slot = backend, slot
 
-    def raw_ring(self, il: int) -> np.ndarray:
-        return self.b.rings[self.slot, il]
+    def put_raw(self, il: int, pos: int, row: np.ndarray) -> None:
+        ring = self.b.rings[self.slot, il]
+        ring[pos % ring.shape[0]] = row
+
+    def raw_rows(self, il: int, pos: int) -> np.ndarray:
+        """Raw KV rows of positions max(0, pos-W+1) .. pos, oldest first (a fresh array)."""
+        return raw_window(self.b.rings[self.slot, il], pos)
 
     def compressor(self, il: int, kind: str):
         return self.b.comps[self.slot][(il, kind)]
@@ -91,15 +98,17 @@ class NumpyBackend:
     def step(self, plan: StepPlan) -> StepResult:
         rows = plan.rows()
         self._check_rows(rows)  # all before any, so a bad plan changes no state
-        logits: list[np.ndarray | None] = []
-        argmax = np.full(len(rows), -1, np.int32)
-        for i, r in enumerate(rows):
-            out = self.model.step(PagedSeqView(self, r.slot), r.token, r.position, want_logits=r.emit)
+        emit = np.array([r.emit for r in rows], bool)
+        views = {r.slot: PagedSeqView(self, r.slot) for r in rows}  # one per slot: a slot's rows share it
+        out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
+                                   [r.position for r in rows], emit)
+        for r in rows:
             self.next_pos[r.slot] += 1
-            if r.emit:
-                argmax[i] = int(np.argmax(out))
-            logits.append(out if r.want_logits else None)
-        return StepResult(logits, argmax)
+        argmax = np.full(len(rows), -1, np.int32)
+        argmax[emit] = np.argmax(out, axis=-1)
+        emitted = iter(out)
+        logits = [next(emitted) if r.emit else None for r in rows]
+        return StepResult([lg if r.want_logits else None for lg, r in zip(logits, rows)], argmax)
 
     # ---- checks ----------------------------------------------------------------
     def _zero_pages(self, pages: np.ndarray) -> None:

@@ -24,6 +24,13 @@ def _canonical(x: np.ndarray) -> bool:
     return np.asarray(x).dtype == np.float32
 
 
+def batch_invariant(x) -> bool:
+    """Does every row of a batched op get the bits it gets alone? The canonical float32
+    arithmetic does by construction (every output's order is fixed); float64 is plain NumPy,
+    whose BLAS products choose their kernels, and so their sums, by shape."""
+    return (x.dtype if isinstance(x, np.ndarray) else np.dtype(x)) == np.float32
+
+
 def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     """x @ w.T (split=False for routed experts; see canon.linear)."""
     if _canonical(x):
@@ -330,15 +337,34 @@ def route(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np
     """Router for one token: sqrt-softplus scores, selection (bias only for choosing,
     or the token's hash ids), normalised and scaled weights. Returns (ids, weights),
     ids ascending so the expert sum has one fixed order."""
+    ids, w = route_rows(logits[None], n_used, bias, None if hash_ids is None else np.asarray(hash_ids)[None],
+                        scale, normalise)
+    return ids[0], w[0]
+
+
+def route_rows(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np.ndarray | None,
+               scale: float, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`route` for R tokens at once: logits (R, E), hash_ids (R, n_used) or None ->
+    ids, weights (R, n_used), each row exactly as routed alone."""
     s = np.sqrt(softplus(logits))
     if hash_ids is not None:
-        ids = np.sort(np.asarray(hash_ids, dtype=np.int64))
+        ids = np.sort(np.asarray(hash_ids, dtype=np.int64), axis=-1)
     else:
-        ids = topk_lower_index(s + bias, n_used)
-    w = s[ids]
+        ids = topk_rows(s + bias, n_used)
+    w = np.take_along_axis(s, ids, axis=-1)
     if normalise:
-        w = w / (canon.seqsum(w[i] for i in range(w.size)) if _canonical(w) else np.sum(w))
+        w = w / (canon.seqsum(w[:, i:i + 1] for i in range(w.shape[1])) if _canonical(w)
+                 else np.sum(w, axis=-1, keepdims=True))
     return ids, w * s.dtype.type(scale)
+
+
+def topk_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """topk_lower_index of every row of scores (R, n): (R, min(k, n)), ascending per row."""
+    r, n = scores.shape
+    if k >= n:
+        return np.broadcast_to(np.arange(n), (r, n)).copy()
+    order = np.argsort(-scores, axis=-1, kind="stable")  # score desc; a stable sort keeps ties by index
+    return np.sort(order[:, :k], axis=-1)
 
 
 def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
