@@ -164,6 +164,21 @@ def _butterfly(p, n):
 
 
 @numba.njit(cache=True)
+def _butterfly_cols(p, live, n):
+    """The butterfly of the 32 partials p[:, i] of each column i < n, lanes >= live being +0.
+    A partial summed from +0 is never -0 (in round to nearest, a sum is -0 only when both
+    terms are), so adding a +0 lane changes nothing and is skipped: exactly the full
+    butterfly's result, p[0]."""
+    h = LANES // 2
+    while h >= 1:
+        for q in range(min(h, live - h)):
+            for i in range(n):
+                p[q, i] = p[q, i] + p[q + h, i]
+        live = min(live, h)
+        h //= 2
+
+
+@numba.njit(cache=True)
 def _dot_warp8(w, x, c0, clen, p):
     """Warp dot of w[c0:c0+clen] . x[c0:c0+clen]: lane t sums columns t*8 .. t*8+7 of every
     256-column step, steps in order, then the butterfly."""
@@ -202,48 +217,56 @@ MM_ROWS = 256  # weight rows per block of _matmul: their 32 partials per input f
 
 
 @numba.njit(cache=True)
+def _lane_partials(wt, x, c0, clen, p, n_in):
+    """The 32 lane partials of every column of the block wt (K, bw) against the n_in (1 or 2)
+    inputs x[:n_in], sharing each weight load: lane t's partial takes column
+    c = s*256 + t*8 + j of the slice [c0, c0 + clen), and visiting (s, j, t) in that nesting
+    keeps each partial's additions in the order s, then j. Returns the lanes that got a column."""
+    bw = wt.shape[1]
+    live = min(LANES, (clen + 7) // 8)
+    p[:n_in, :live, :] = _ZERO
+    for s in range(0, clen, LANES * 8):
+        for j in range(8):
+            for t in range(LANES):
+                c = s + t * 8 + j
+                if c >= clen:
+                    break
+                wc = wt[c0 + c]
+                q0, u0 = p[0, t], x[0, c0 + c]
+                if n_in == 1:
+                    for i in range(bw):
+                        q0[i] = q0[i] + wc[i] * u0
+                else:
+                    q1, u1 = p[1, t], x[1, c0 + c]
+                    for i in range(bw):
+                        wi = wc[i]
+                        q0[i] = q0[i] + wi * u0
+                        q1[i] = q1[i] + wi * u1
+    return live
+
+
+@numba.njit(cache=True)
 def _matmul(x, wb, rows, ks):
     """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
     element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
     same order, the same butterfly, the slices summed in order; so a row's outputs do not
     depend on the other rows. The innermost loop runs over a block's weight rows
-    (independent accumulators, vectorisable); lane t's partial takes column
-    c = s*256 + t*8 + j of a slice, and visiting (s, j, t) in that nesting keeps each
-    partial's additions in the order s, then j."""
+    (independent accumulators, vectorisable), for two input rows at a time."""
     n, k = x.shape
     nb, _, bw = wb.shape
-    y = np.empty((n, rows), np.float32)
-    p = np.empty((LANES, bw), np.float32)
-    tot = np.empty(bw, np.float32)
+    y = np.zeros((n, rows), np.float32)
+    p = np.empty((2, LANES, bw), np.float32)
     for b in range(nb):
         wt = wb[b]
-        for a in range(n):
-            xa = x[a]
-            tot[:] = _ZERO
+        r0, rb = b * bw, min(bw, rows - b * bw)
+        for a in range(0, n, 2):
+            n_in = min(2, n - a)
             for c0 in range(0, k, ks):
-                clen = min(ks, k - c0)
-                p[:, :] = _ZERO
-                for s in range(0, clen, LANES * 8):
-                    for j in range(8):
-                        for t in range(LANES):
-                            c = s + t * 8 + j
-                            if c >= clen:
-                                break
-                            xv = xa[c0 + c]
-                            pt = p[t]
-                            wc = wt[c0 + c]
-                            for i in range(bw):
-                                pt[i] = pt[i] + wc[i] * xv
-                h = LANES // 2
-                while h >= 1:
-                    for q in range(h):
-                        for i in range(bw):
-                            p[q, i] = p[q, i] + p[q + h, i]
-                    h //= 2
-                for i in range(bw):
-                    tot[i] = tot[i] + p[0, i]
-            for i in range(min(bw, rows - b * bw)):
-                y[a, b * bw + i] = tot[i]
+                live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in)
+                for e in range(n_in):
+                    _butterfly_cols(p[e], live, rb)
+                    for i in range(rb):
+                        y[a + e, r0 + i] = y[a + e, r0 + i] + p[e, 0, i]
     return y
 
 
@@ -301,6 +324,38 @@ def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     ks = (ksplit(w.shape[0], k) if split else 0) or max(k, 1)
     y = _matmul(x.reshape(-1, k), weight_blocks(w), w.shape[0], ks)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+
+@numba.njit(cache=True)
+def _swiglu(x, wb1, wb3, wb2, ff, d, ks_in, ks_ff, clamp):
+    g = _matmul(x, wb1, ff, ks_in)
+    u = _matmul(x, wb3, ff, ks_in)
+    for r in range(g.shape[0]):
+        for i in range(ff):
+            gi, ui = g[r, i], u[r, i]
+            if not gi < clamp and gi == gi:  # np.minimum(g, clamp): NaN stays NaN
+                gi = clamp
+            if not ui > -clamp and ui == ui:  # np.clip(u, -clamp, clamp), likewise
+                ui = -clamp
+            if not ui < clamp and ui == ui:
+                ui = clamp
+            g[r, i] = silu_f32(gi) * ui
+    return _matmul(g, wb2, d, ks_ff)
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
+           split: bool = True) -> np.ndarray:
+    """Clamped SwiGLU expert: linear(silu(min(x W1, clamp)) * clip(x W3, +-clamp), W2), the
+    products as `linear` computes them, in one call."""
+    x = np.ascontiguousarray(x, F32)
+    w1, w3, w2 = (np.asarray(w, F32) for w in (w1, w3, w2))
+    k, (ff, d) = x.shape[-1], (w1.shape[0], w2.shape[0])
+
+    def ks(w):
+        return (ksplit(*w.shape) if split else 0) or max(w.shape[1], 1)
+    y = _swiglu(x.reshape(-1, k), weight_blocks(w1), weight_blocks(w3), weight_blocks(w2), ff, d,
+                ks(w1), ks(w2), F32(clamp))
+    return y.reshape(x.shape[:-1] + (d,))
 
 
 @numba.njit(cache=True)
@@ -411,17 +466,51 @@ def sinkhorn(c, iters, eps):
     return out
 
 
-def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
+@numba.njit(cache=True)
+def _hc_split(m, streams, base, scale, eps, iters):
+    """From the mixing logits m (n, hc*(2+hc)): pre, post, the Sinkhorn-normalised comb, and the
+    block input u; elementwise as the docs' hc_pre table, sums in order."""
     n, hc, d = streams.shape
+    pre = np.empty((n, hc), np.float32)
+    post = np.empty((n, hc), np.float32)
+    comb = np.empty((n, hc, hc), np.float32)
+    u = np.empty((n, d), np.float32)
+    v = np.empty(hc, np.float32)
+    for r in range(n):
+        for k in range(hc):
+            pre[r, k] = sigmoid_f32(m[r, k] * scale[0] + base[k]) + eps
+            post[r, k] = _TWO * sigmoid_f32(m[r, hc + k] * scale[1] + base[hc + k])
+        for i in range(hc):
+            o = 2 * hc + i * hc
+            for j in range(hc):
+                v[j] = m[r, o + j] * scale[2] + base[o + j]
+            mx = v[0]
+            for j in range(1, hc):
+                if v[j] > mx or v[j] != v[j]:  # np.max: NaN wins
+                    mx = v[j]
+            tot = _ZERO
+            for j in range(hc):
+                v[j] = exp_f32(v[j] - mx)
+                tot = tot + v[j]
+            for j in range(hc):
+                comb[r, i, j] = v[j] / tot + eps
+        c = comb[r]
+        for it in range(iters):
+            if it > 0:
+                _normalise_rows(c, eps)
+            _normalise_rows(c.T, eps)
+        for e in range(d):
+            acc = _ZERO
+            for k in range(hc):
+                acc = acc + pre[r, k] * streams[r, k, e]
+            u[r, e] = acc
+    return u, post, comb
+
+
+def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
     m = _hc_mix(streams, fn, rms_eps)
-    eps = F32(hc_eps)
-    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
-    post = _TWO * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
-    e = exp(logits - np.max(logits, axis=-1, keepdims=True))
-    comb = e / seqsum(e[..., j:j + 1] for j in range(hc)) + eps
-    comb = sinkhorn(np.ascontiguousarray(comb), int(iters), eps)
-    return _weighted_streams(pre, streams), post, comb
+    return _hc_split(m, np.ascontiguousarray(streams, F32), np.asarray(base, F32), np.asarray(scale, F32),
+                     F32(hc_eps), int(iters))
 
 
 def hc_post(streams, y, post, comb):
@@ -530,6 +619,23 @@ def _attention(q, keys, sinks, scale):
                 a = a + zacc[z, t] * ze[z]
             out[h, t] = a / dtot
     return out
+
+
+@numba.njit(cache=True)
+def _attention_rows(q, keys, offsets, sinks, scale):
+    out = np.empty(q.shape, np.float32)
+    for r in range(q.shape[0]):
+        out[r] = _attention(q[r], keys[offsets[r]:offsets[r + 1]], sinks, scale)
+    return out
+
+
+def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
+    """Row r of q (R, H, D) attends to its own visible rows: the concatenation of the arrays
+    keys[r] (one list per row, in order) -> (R, H, D), in one call."""
+    scale = F32(1.0 / math.sqrt(q.shape[-1]))
+    flat = np.concatenate([k for row in keys for k in row]).astype(F32, copy=False)
+    offsets = np.concatenate([[0], np.cumsum([sum(len(k) for k in row) for row in keys])])
+    return _attention_rows(np.ascontiguousarray(q, F32), flat, offsets, np.ascontiguousarray(sinks, F32), scale)
 
 
 def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray) -> np.ndarray:

@@ -141,9 +141,10 @@ def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
         if ratio == 4:
             compress(lw, INDEX, rows, il, a, tables, numerics, cfg)
         comp = visible_compressed(lw, cfg, tables, numerics, rows, il, a, qr, cos, sin)
-        keys = [np.concatenate([k, c]) for k, c in zip(keys, comp)]
-    sinks = lw["attn_sinks.weight"]
-    o = np.stack([ops.attention_with_sinks(q[i], keys[i], sinks) for i in range(len(rows))])
+        keys = [[k, c] for k, c in zip(keys, comp)]
+    else:
+        keys = [[k] for k in keys]
+    o = ops.attention_rows(q, keys, lw["attn_sinks.weight"])
     return ops.hc_post(streams, attention_output(lw, cfg, o, cos, sin), post, comb)
 
 

@@ -278,6 +278,14 @@ def _attention_canonical(q, keys, sinks, mask):
                      for i in range(q.shape[0])])
 
 
+def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
+    """q (R, H, D); keys[r] a list of arrays whose concatenation is row r's visible K=V rows
+    in their fixed order -> (R, H, D)."""
+    if _canonical(q):
+        return canon.attention_rows(q, keys, sinks)
+    return np.stack([attention_with_sinks(q[r], np.concatenate(keys[r]), sinks) for r in range(q.shape[0])])
+
+
 def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
     """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a."""
     n = o.shape[0]
@@ -371,6 +379,8 @@ def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp:
            split: bool = True) -> np.ndarray:
     """Clamped SwiGLU expert: gate <= clamp, up in [-clamp, clamp]. split=False for routed
     experts (see canon.linear)."""
+    if _canonical(x):
+        return canon.swiglu(x, w1, w3, w2, clamp, split)
     g = np.minimum(linear(x, w1, split), clamp)
     v = np.clip(linear(x, w3, split), -clamp, clamp)
     return linear(silu(g) * v, w2, split)
