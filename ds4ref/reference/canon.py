@@ -393,11 +393,11 @@ def seqsum(terms) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _dots_lanes(q, kt, p, out):
-    """out[n] = warp dot of q (D,) with key n, kt = keys.T (D, N): lane t sums dims t, t+32, ...
-    in order, then the butterfly. All keys at once (the innermost loop runs over keys);
-    p is (32, >= N) scratch."""
-    d, n = kt.shape
+def _dots_lanes(q, kt, n, p, out):
+    """out[i] = warp dot of q (D,) with key i < n, kt = keys.T (D, >= n): lane t sums dims t,
+    t+32, ... in order, then the butterfly. All keys at once (the innermost loop runs over
+    keys); p is (32, >= n) scratch."""
+    d = kt.shape[0]
     p[:, :n] = _ZERO
     for b in range(0, d, LANES):  # dims b .. b+31: one per lane, each lane's terms in order
         for t in range(min(LANES, d - b)):
@@ -513,12 +513,25 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
                      F32(hc_eps), int(iters))
 
 
+@numba.njit(cache=True)
+def _hc_post(streams, y, post, comb):
+    n, hc, d = streams.shape
+    out = np.empty((n, hc, d), np.float32)
+    for r in range(n):
+        for j in range(hc):
+            o = out[r, j]
+            for e in range(d):
+                o[e] = post[r, j] * y[r, e]
+            for i in range(hc):
+                c, si = comb[r, i, j], streams[r, i]
+                for e in range(d):
+                    o[e] = o[e] + c * si[e]
+    return out
+
+
 def hc_post(streams, y, post, comb):
     """S'[j] = post_j * y + comb[0, j] S[0] + comb[1, j] S[1] + ..., in that order."""
-    acc = post[:, :, None] * y[:, None, :]
-    for i in range(streams.shape[1]):
-        acc = acc + comb[:, i, :, None] * streams[:, i, None, :]
-    return acc
+    return _hc_post(*(np.ascontiguousarray(a, F32) for a in (streams, y, post, comb)))
 
 
 def hc_head(streams, fn, base, scale, rms_eps, hc_eps):
@@ -585,7 +598,7 @@ def _attention(q, keys, sinks, scale):
     ze = np.empty(nz, np.float32)
     zacc = np.empty((nz, d), np.float32)
     for h in range(h_n):
-        _dots_lanes(q[h], kt, p, sc)
+        _dots_lanes(q[h], kt, n, p, sc)
         for z in range(nz):
             m, den = -_INF, _ZERO
             acc = zacc[z]
@@ -660,20 +673,38 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _indexer_scores(qi, wts, keys):
-    n = keys.shape[0]
+def _indexer_scores(qi, wts, kt, n):
+    """Scores of the first n keys, kt = keys.T (Di, >= n)."""
     out = np.zeros(n, np.float32)
-    kt = keys.T.copy()
     p = np.empty((LANES, n), np.float32)
     dots = np.empty(n, np.float32)
     for h in range(qi.shape[0]):
-        _dots_lanes(qi[h], kt, p, dots)
+        _dots_lanes(qi[h], kt, n, p, dots)
         for r in range(n):
             out[r] = out[r] + max(dots[r], _ZERO) * wts[h]
     return out
 
 
+@numba.njit(cache=True)
+def _indexer_topk(qi, wts, keys, counts, k):
+    m = qi.shape[0]
+    out = np.empty((m, k), np.int64)
+    kt = keys.T.copy()
+    for r in range(m):
+        scores = _indexer_scores(qi[r], wts[r], kt, counts[r])
+        order = np.argsort(-scores, kind="mergesort")  # score desc; stable: ties by lower index
+        out[r] = np.sort(order[:k])
+    return out
+
+
+def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """For each query r (qi (m, Hi, Di), wts (m, Hi)): the k best of the first counts[r] (> k)
+    keys by indexer_scores, ties to the lower index, ascending (ops.topk_lower_index)."""
+    return _indexer_topk(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
+                         np.ascontiguousarray(keys, F32), np.asarray(counts, np.int64), int(k))
+
+
 def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """score_n = sum over heads h, in order, of relu(q_h . k_n) * w_h (w already scaled)."""
     return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
-                           np.ascontiguousarray(keys, F32))
+                           np.ascontiguousarray(np.asarray(keys, F32).T), keys.shape[0])

@@ -97,12 +97,12 @@ def compress(lw: LayerWeights, kind: str, rows: Rows, il: int, a: np.ndarray, ta
         st.put_row(il, kind, w, row)
 
 
-def history(rows: Rows, il: int, kind: str, n: np.ndarray) -> list[np.ndarray]:
-    """Per row, the first n[i] compressed rows of its sequence (kind ATTN or INDEX): read once
-    per run of consecutive rows of one sequence (n grows along a run), then sliced."""
+def history(rows: Rows, il: int, n: np.ndarray) -> list[np.ndarray]:
+    """Per row, the first n[i] compressed rows of its sequence: read once per run of
+    consecutive rows of one sequence (n grows along a run), then sliced."""
     out = []
     for start, stop in rows.runs():
-        every = rows.states[start].get_rows(il, kind, int(n[stop - 1]))
+        every = rows.states[start].get_rows(il, ATTN, int(n[stop - 1]))
         out += [every[:n[i]] for i in range(start, stop)]
     return out
 
@@ -110,17 +110,19 @@ def history(rows: Rows, il: int, kind: str, n: np.ndarray) -> list[np.ndarray]:
 def visible_compressed(lw, cfg, tables, numerics, rows: Rows, il, a, qr, cos, sin) -> list[np.ndarray]:
     """Per row, the compressed rows its query attends to, in index order: all of them, or on a
     ratio-4 layer past top_k rows, the ones the indexer picks."""
-    ratio = cfg.ratio(il)
+    ratio, top_k = cfg.ratio(il), cfg.indexer_top_k
     n = (rows.positions + 1) // ratio
-    out = history(rows, il, ATTN, n)
-    pick = np.nonzero(n > cfg.indexer_top_k)[0] if ratio == 4 else []
+    out = history(rows, il, n)
+    pick = np.nonzero(n > top_k)[0] if ratio == 4 else []
     if len(pick) == 0:
         return out
     qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick])
-    keys = history(rows, il, INDEX, n)
-    for j, i in enumerate(pick):
-        scores = ops.indexer_scores(qi[j], wts[j], keys[i])
-        out[i] = out[i][ops.topk_lower_index(scores, cfg.indexer_top_k)]
+    for start, stop in rows.runs():
+        j = np.nonzero((pick >= start) & (pick < stop))[0]  # this run's picking rows, in qi
+        if len(j):
+            keys = rows.states[start].get_rows(il, INDEX, int(n[stop - 1]))
+            for i, chosen in zip(pick[j], ops.indexer_topk(qi[j], wts[j], keys, n[pick[j]], top_k)):
+                out[i] = out[i][chosen]
     return out
 
 

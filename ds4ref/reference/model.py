@@ -31,7 +31,7 @@ def check_tokens(cfg: DS4Config, token_ids: Sequence[int], what: str = "prompt")
     return ids.astype(np.int64)
 
 
-SCORE_CHUNK = 256  # rows of one sequence per pass of score()
+SCORE_CHUNK = 512  # rows of one sequence per pass of score()
 
 
 class Model:

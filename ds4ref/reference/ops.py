@@ -326,6 +326,15 @@ def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndar
     return np.maximum(dots, 0) @ wts
 
 
+def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """Rows the indexer keeps for each of m queries (qi (m, Hi, Di), wts (m, Hi)): the k best of
+    the first counts[r] (> k) keys, ties to the lower index, ascending -> (m, k)."""
+    if _canonical(qi):
+        return canon.indexer_topk(qi, wts, keys, counts, k)
+    return np.stack([topk_lower_index(indexer_scores(qi[r], wts[r], keys[:counts[r]]), k)
+                     for r in range(qi.shape[0])])
+
+
 def topk_lower_index(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k highest scores, ties broken by the lower index, returned ascending."""
     n = scores.shape[-1]

@@ -56,7 +56,10 @@ def make_compressors(cfg: DS4Config, dtype) -> dict[tuple[int, str], CompressorS
 def raw_window(ring: np.ndarray, pos: int) -> np.ndarray:
     """Rows of positions max(0, pos-W+1) .. pos of a ring of W rows, oldest first (fresh copy)."""
     w = ring.shape[0]
-    return ring[np.arange(max(0, pos - w + 1), pos + 1) % w]
+    if pos < w:
+        return ring[:pos + 1].copy()
+    cut = (pos + 1) % w  # the oldest row
+    return np.concatenate([ring[cut:], ring[:cut]])
 
 
 class SeqState:
