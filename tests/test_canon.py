@@ -205,13 +205,13 @@ def test_attention_and_indexer_are_the_written_order(seed, heads, d, n):
 @given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 6), n=st.integers(2, 60), k=st.integers(1, 12),
        levels=st.sampled_from([0, 3]))
 def test_indexer_topk_is_scores_then_topk(seed, m, n, k, levels):
-    """The fused indexer selection picks, per query, topk_lower_index of its own scores over
+    """The batched indexer selection picks, per query, topk_lower_index of its own scores over
     its first counts[r] keys; few distinct key values (levels > 0) make exact ties."""
     rng = np.random.default_rng(seed)
     qi, wts = rnd(rng, m, 4, 40), rnd(rng, m, 4)
     keys = (rng.integers(0, levels, (n, 40)).astype(F32) if levels else rnd(rng, n, 40))
     counts = rng.integers(min(k + 1, n), n + 1, m)
-    got = canon.indexer_topk(qi, wts, keys, counts, min(k, n - 1))
+    got = ref.indexer_topk(qi, wts, keys, counts, min(k, n - 1))
     for r in range(m):
         want = ref.topk_lower_index(canon.indexer_scores(qi[r], wts[r], keys[:counts[r]]), min(k, n - 1))
         assert np.array_equal(got[r], want), r

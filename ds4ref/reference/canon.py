@@ -653,9 +653,7 @@ def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
 
 def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray) -> np.ndarray:
     """q (H, D), keys (N, D): the visible K=V rows in their fixed order -> (H, D)."""
-    scale = F32(1.0 / math.sqrt(q.shape[-1]))
-    return _attention(np.ascontiguousarray(q, F32), np.ascontiguousarray(keys, F32),
-                      np.ascontiguousarray(sinks, F32), scale)
+    return attention_rows(np.asarray(q)[None], [[keys]], sinks)[0]
 
 
 def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
@@ -673,38 +671,28 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _indexer_scores(qi, wts, kt, n):
-    """Scores of the first n keys, kt = keys.T (Di, >= n)."""
-    out = np.zeros(n, np.float32)
+def _indexer_scores(qi, wts, kt, counts):
+    m, n = qi.shape[0], kt.shape[1]
+    out = np.full((m, n), np.nan, np.float32)
     p = np.empty((LANES, n), np.float32)
     dots = np.empty(n, np.float32)
-    for h in range(qi.shape[0]):
-        _dots_lanes(qi[h], kt, n, p, dots)
-        for r in range(n):
-            out[r] = out[r] + max(dots[r], _ZERO) * wts[h]
-    return out
-
-
-@numba.njit(cache=True)
-def _indexer_topk(qi, wts, keys, counts, k):
-    m = qi.shape[0]
-    out = np.empty((m, k), np.int64)
-    kt = keys.T.copy()
     for r in range(m):
-        scores = _indexer_scores(qi[r], wts[r], kt, counts[r])
-        order = np.argsort(-scores, kind="mergesort")  # score desc; stable: ties by lower index
-        out[r] = np.sort(order[:k])
+        c, o = counts[r], out[r]
+        o[:c] = _ZERO
+        for h in range(qi.shape[1]):
+            _dots_lanes(qi[r, h], kt, c, p, dots)
+            for i in range(c):
+                o[i] = o[i] + max(dots[i], _ZERO) * wts[r, h]
     return out
 
 
-def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
-    """For each query r (qi (m, Hi, Di), wts (m, Hi)): the k best of the first counts[r] (> k)
-    keys by indexer_scores, ties to the lower index, ascending (ops.topk_lower_index)."""
-    return _indexer_topk(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
-                         np.ascontiguousarray(keys, F32), np.asarray(counts, np.int64), int(k))
+def indexer_scores_rows(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts) -> np.ndarray:
+    """indexer_scores of m queries (qi (m, Hi, Di), wts (m, Hi)) against the first counts[r]
+    of the same keys (N, Di), in one call -> (m, N), NaN past counts[r]."""
+    return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
+                           np.ascontiguousarray(np.asarray(keys, F32).T), np.asarray(counts, np.int64))
 
 
 def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """score_n = sum over heads h, in order, of relu(q_h . k_n) * w_h (w already scaled)."""
-    return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
-                           np.ascontiguousarray(np.asarray(keys, F32).T), keys.shape[0])
+    return indexer_scores_rows(np.asarray(qi)[None], np.asarray(wts)[None], keys, [len(keys)])[0]

@@ -330,7 +330,9 @@ def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.n
     """Rows the indexer keeps for each of m queries (qi (m, Hi, Di), wts (m, Hi)): the k best of
     the first counts[r] (> k) keys, ties to the lower index, ascending -> (m, k)."""
     if _canonical(qi):
-        return canon.indexer_topk(qi, wts, keys, counts, k)
+        # NaN past counts[r] sorts after every real score (NaN included, ties by index), so
+        # each row's first k are those of its own first counts[r] scores
+        return topk_rows(canon.indexer_scores_rows(qi, wts, keys, counts), k)
     return np.stack([topk_lower_index(indexer_scores(qi[r], wts[r], keys[:counts[r]]), k)
                      for r in range(qi.shape[0])])
 
