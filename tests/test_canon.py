@@ -5,8 +5,10 @@
   implementation of each definition gives the same bits (NumPy never fuses a multiply
   and an add, so this also proves Numba does not contract);
 * every canonical op stays within 1e-5 (norm-wise) of the same op in float64;
-* the float32 whole-sequence score() equals the streamed decode bit for bit: both are
-  per-row canonical, whatever the prompt;
+* a batched linear (R rows at once) gives every row the bits it gets alone; the fused
+  kernels equal their op compositions;
+* the float32 score() (passes of rows through the decode state) and the whole-sequence
+  prefill (masks) each equal the streamed decode bit for bit, whatever the prompt;
 * official numerics refuse shapes their FP8/FP4 blocks cannot take, naming the key.
 """
 from __future__ import annotations
@@ -344,6 +346,17 @@ def test_score_equals_streamed_decode_bitwise(model32, data):
     ids = data.draw(st.lists(st.integers(0, model32.config.vocab_size - 1), min_size=n, max_size=n))
     a, b = model32.score(ids), model32.decode_logits(ids)
     assert a.dtype == F32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@settings(max_examples=2)
+@given(data=st.data())
+def test_whole_sequence_prefill_equals_streamed_decode_bitwise(model32, data):
+    """prefill.py (masks instead of state, written independently of decode.py) in float32."""
+    from ds4ref.reference.prefill import prefill_logits
+    n = data.draw(st.integers(130, 260))  # past a ratio-128 window and the indexer's threshold
+    ids = data.draw(st.lists(st.integers(0, model32.config.vocab_size - 1), min_size=n, max_size=n))
+    a = prefill_logits(model32.weights, model32.tables, model32.numerics, np.array(ids))
+    assert np.array_equal(a, model32.decode_logits(ids))
 
 
 def test_official_numerics_refuse_small_blocks_naming_the_key(tmp_path):
