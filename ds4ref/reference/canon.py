@@ -369,9 +369,10 @@ def _sumsq_rows(x):
     for r in range(n):
         for i in range(NORM_THREADS):
             p[i] = _ZERO
-        for i in range(d):
-            t = i % NORM_THREADS
-            p[t] = p[t] + x[r, i] * x[r, i]
+        xr = x[r]
+        for b in range(0, d, NORM_THREADS):  # columns b .. b+255: one per thread, in order
+            for t in range(min(NORM_THREADS, d - b)):
+                p[t] = p[t] + xr[b + t] * xr[b + t]
         for wp in range(8):
             wsum[wp] = _butterfly(p[wp * LANES:(wp + 1) * LANES], LANES)
         out[r] = _butterfly(wsum, 8)
