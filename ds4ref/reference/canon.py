@@ -284,8 +284,8 @@ _BY_ID: dict[int, tuple] = {}    # id(array) -> (weakref, blocks): the fast path
 
 
 def weight_blocks(w: np.ndarray) -> np.ndarray:
-    """w (rows, K) as _matmul reads it: blocks of MM_ROWS rows, each transposed to (K, MM_ROWS),
-    the last one padded with zero rows. A read-only w (the model's weights are) is laid out
+    """w (rows, K) as _matmul reads it: blocks of bw = min(rows, MM_ROWS) rows, each transposed
+    to (K, bw), the last one padded with zero rows. A read-only w (the model's weights are) is laid out
     once: the copy is kept, per view, for as long as the memory w views lives."""
     hit = _BY_ID.get(id(w))
     if hit is not None and hit[0]() is w:
