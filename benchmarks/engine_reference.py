@@ -5,9 +5,9 @@
 C clients arrive together with short ragged prompts (disjoint token ids),
 greedy, forced to produce --new tokens each (ignore_eos), on the embedded tiny
 model through Engine -> Scheduler -> SeqEngine -> NumpyBackend. Prints one row
-per level and the C16/C1 ratio. Not a test; the NumPy reference runs rows one
-after another, so the ratio mostly measures per-pass overhead amortisation,
-not device batching.
+per level and the C16/C1 ratio. Not a test; the NumPy reference computes a pass
+as one batch (each weight's product once for all its rows, the state updates row
+by row), so the ratio measures that batching on the CPU.
 """
 from __future__ import annotations
 

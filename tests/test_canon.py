@@ -5,8 +5,10 @@
   implementation of each definition gives the same bits (NumPy never fuses a multiply
   and an add, so this also proves Numba does not contract);
 * every canonical op stays within 1e-5 (norm-wise) of the same op in float64;
-* the float32 whole-sequence score() equals the streamed decode bit for bit: both are
-  per-row canonical, whatever the prompt;
+* a batched linear (R rows at once) gives every row the bits it gets alone; the fused
+  kernels equal their op compositions;
+* the float32 score() (passes of rows through the decode state) and the whole-sequence
+  prefill (masks) each equal the streamed decode bit for bit, whatever the prompt;
 * official numerics refuse shapes their FP8/FP4 blocks cannot take, naming the key.
 """
 from __future__ import annotations
@@ -107,6 +109,24 @@ def test_linear_is_the_written_order(seed, n, rows, k):
     assert np.array_equal(canon.linear(x, w, split=False), warp8_dot_vectorised(x, w, k))
 
 
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 64), rows=st.integers(1, 200),
+       k=st.sampled_from([1, 8, 96, 255, 256, 520, 2048, 2048 + 300]), split=st.booleans())
+def test_batched_linear_equals_per_row_linear(seed, n, rows, k, split):
+    """canon.linear over n rows at once (each weight block read once for all of them) gives
+    every row the bits of that row alone, and of the one-output-at-a-time matvec; k >= 2048
+    with rows <= 64 takes the split rule."""
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((n, k)).astype(F32), rng.standard_normal((rows, k)).astype(F32)
+    zeros = rng.random(x.shape) < 0.05  # exact zeros of both signs: signed-zero sums
+    x[zeros] = np.where(rng.random(x.shape) < 0.5, F32(0.0), F32(-0.0))[zeros]
+    got = canon.linear(x, w, split)
+    ks = (canon.ksplit(rows, k) if split else 0) or k
+    assert np.array_equal(got.view(np.uint32), canon._matvec(x, w, ks).view(np.uint32))
+    alone = np.concatenate([canon.linear(x[i:i + 1], w, split) for i in range(n)])
+    assert np.array_equal(got.view(np.uint32), alone.view(np.uint32))
+
+
 @settings(max_examples=20)
 @given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([1, 96, 255, 256, 512, 4096, 16384 + 40]))
 def test_sum_of_squares_is_the_written_order(seed, d):
@@ -118,6 +138,131 @@ def test_sum_of_squares_is_the_written_order(seed, d):
         part = part + sq[:, i]
     want = butterfly(butterfly(part.reshape(3, 8, 32)))
     assert np.array_equal(canon.sumsq(x)[:, 0], want)
+
+
+def lanes_dot_vectorised(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """q (D,) . keys (N, D): lane t sums dims t, t+32, ... in order, then the butterfly."""
+    pad = -q.shape[0] % 32
+    qs = np.pad(q, (0, pad)).reshape(-1, 32)
+    ks = np.pad(keys, ((0, 0), (0, pad))).reshape(keys.shape[0], -1, 32)
+    p = np.zeros((keys.shape[0], 32), F32)
+    for b in range(qs.shape[0]):
+        p = p + qs[b] * ks[:, b]
+    return butterfly(p)
+
+
+def attention_written(q, keys, sinks):
+    """docs/exactness.md's attention, key by key in NumPy float32 scalars."""
+    scale = F32(1.0 / math.sqrt(q.shape[-1]))
+    out = np.empty_like(q)
+    for h in range(q.shape[0]):
+        sc = lanes_dot_vectorised(q[h], keys) * scale
+        zs = []
+        for z0 in range(0, len(keys), 32):
+            m, den, acc = F32(-np.inf), F32(0), np.zeros(q.shape[1], F32)
+            for i in range(z0, min(len(keys), z0 + 32)):
+                if sc[i] > m:
+                    c = canon.exp(np.array([m - sc[i]]))[0]
+                    den, acc, m = den * c + F32(1), acc * c + keys[i], sc[i]
+                else:
+                    e = canon.exp(np.array([sc[i] - m]))[0]
+                    den, acc = den + e, acc + e * keys[i]
+            zs.append((m, den, acc))
+        mf = sinks[h]
+        for m, _, _ in zs:
+            mf = max(mf, m)
+        ez = [canon.exp(np.array([m - mf]))[0] for m, _, _ in zs]
+        dtot = canon.exp(np.array([sinks[h] - mf]))[0]
+        num = np.zeros(q.shape[1], F32)
+        for (m, den, acc), e in zip(zs, ez):
+            dtot = dtot + den * e
+        for (m, den, acc), e in zip(zs, ez):
+            num = num + acc * e
+        out[h] = num / dtot
+    return out
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), heads=st.integers(1, 4), d=st.sampled_from([16, 96, 130]),
+       n=st.integers(1, 70))
+def test_attention_and_indexer_are_the_written_order(seed, heads, d, n):
+    rng = np.random.default_rng(seed)
+    q, keys, sinks = rnd(rng, heads, d), rnd(rng, n, d), rnd(rng, heads)
+    assert np.array_equal(canon.attention_with_sinks(q, keys, sinks), attention_written(q, keys, sinks))
+    w = rnd(rng, heads)
+    want = np.zeros(n, F32)
+    for h in range(heads):
+        want = want + np.maximum(lanes_dot_vectorised(q[h], keys), F32(0)) * w[h]
+    assert np.array_equal(canon.indexer_scores(q, w, keys), want)
+    # many rows at once: each row's own keys, given in pieces
+    cut = rng.integers(0, n + 1)
+    q2 = rnd(rng, 3, heads, d)
+    rows = [[keys[:cut], keys[cut:]], [keys[:1]], [keys]]
+    got = canon.attention_rows(q2, rows, sinks)
+    for r in range(3):
+        assert np.array_equal(got[r], canon.attention_with_sinks(q2[r], np.concatenate(rows[r]), sinks))
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 6), n=st.integers(2, 60), k=st.integers(1, 12),
+       levels=st.sampled_from([0, 3]))
+def test_indexer_topk_is_scores_then_topk(seed, m, n, k, levels):
+    """The batched indexer selection picks, per query, topk_lower_index of its own scores over
+    its first counts[r] keys; few distinct key values (levels > 0) make exact ties."""
+    rng = np.random.default_rng(seed)
+    qi, wts = rnd(rng, m, 4, 40), rnd(rng, m, 4)
+    keys = (rng.integers(0, levels, (n, 40)).astype(F32) if levels else rnd(rng, n, 40))
+    counts = rng.integers(min(k + 1, n), n + 1, m)
+    got = ref.indexer_topk(qi, wts, keys, counts, min(k, n - 1))
+    for r in range(m):
+        want = ref.topk_lower_index(canon.indexer_scores(qi[r], wts[r], keys[:counts[r]]), min(k, n - 1))
+        assert np.array_equal(got[r], want), r
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 9), clamp=st.sampled_from([0.5, 1.75, 7.0]))
+def test_fused_swiglu_is_the_composition(seed, n, clamp):
+    """canon.swiglu in one call equals linear, np.minimum, np.clip, silu, linear, with
+    clamping, inf and NaN among the projections."""
+    rng = np.random.default_rng(seed)
+    x, w1, w3, w2 = rnd(rng, n, 96, scale=2), rnd(rng, 40, 96), rnd(rng, 40, 96), rnd(rng, 96, 40)
+    x[-1, :3] = [np.inf, -np.inf, np.nan]
+    g = np.minimum(canon.linear(x, w1, False), clamp)
+    v = np.clip(canon.linear(x, w3, False), -clamp, clamp)
+    with np.errstate(invalid="ignore"):
+        want = canon.linear(canon.silu(g) * v, w2, False)
+        got = canon.swiglu(x, w1, w3, w2, clamp, split=False)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def hc_pre_composed(streams, fn, base, scale, rms_eps, hc_eps, iters):
+    """The hc_pre table of docs/exactness.md as NumPy float32 array operations."""
+    n, hc, d = streams.shape
+    m = canon._hc_mix(streams, fn, rms_eps)
+    eps = F32(hc_eps)
+    pre = canon.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
+    post = F32(2) * canon.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
+    e = canon.exp(logits - np.max(logits, axis=-1, keepdims=True))
+    comb = e / canon.seqsum(e[..., j:j + 1] for j in range(hc)) + eps
+    comb = canon.sinkhorn(np.ascontiguousarray(comb), int(iters), eps)
+    u = canon.seqsum(pre[:, k, None] * streams[:, k, :] for k in range(hc))
+    return u, post, comb
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), hc=st.sampled_from([2, 4]), iters=st.integers(1, 20))
+def test_fused_hc_pre_is_the_composition(seed, hc, iters):
+    rng = np.random.default_rng(seed)
+    mix = 2 * hc + hc * hc
+    s, fn = rnd(rng, 3, hc, 96), rnd(rng, mix, hc * 96, scale=0.5)
+    base, scale = rnd(rng, mix, scale=2), np.abs(rnd(rng, 3)) + 0.5
+    s[1, 0, 0] = np.nan
+    with np.errstate(invalid="ignore"):
+        got = canon.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters)
+        want = hc_pre_composed(s, fn, base, scale, 1e-6, 1e-6, iters)
+    for a, b in zip(got, want):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def test_ksplit_rule():
@@ -201,6 +346,17 @@ def test_score_equals_streamed_decode_bitwise(model32, data):
     ids = data.draw(st.lists(st.integers(0, model32.config.vocab_size - 1), min_size=n, max_size=n))
     a, b = model32.score(ids), model32.decode_logits(ids)
     assert a.dtype == F32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@settings(max_examples=2)
+@given(data=st.data())
+def test_whole_sequence_prefill_equals_streamed_decode_bitwise(model32, data):
+    """prefill.py (masks instead of state, written independently of decode.py) in float32."""
+    from ds4ref.reference.prefill import prefill_logits
+    n = data.draw(st.integers(130, 260))  # past a ratio-128 window and the indexer's threshold
+    ids = data.draw(st.lists(st.integers(0, model32.config.vocab_size - 1), min_size=n, max_size=n))
+    a = prefill_logits(model32.weights, model32.tables, model32.numerics, np.array(ids))
+    assert np.array_equal(a, model32.decode_logits(ids))
 
 
 def test_official_numerics_refuse_small_blocks_naming_the_key(tmp_path):

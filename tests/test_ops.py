@@ -177,6 +177,14 @@ def test_topk_ties_lower_index_wins(scores, k):
                 assert scores[i] > scores[j] or (scores[i] == scores[j] and i < j)
 
 
+@given(arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)),
+              elements=st.sampled_from([0.0, -0.0, 1.0, 2.0, -1.0, np.inf, -np.inf])), st.integers(1, 45))
+def test_topk_rows_is_topk_of_each_row(scores, k):
+    """The router's batched top-k picks, per row, what topk_lower_index picks for the row alone."""
+    want = [ops.topk_lower_index(row, k) for row in scores]
+    assert np.array_equal(ops.topk_rows(scores, k), np.stack(want))
+
+
 def test_route_bias_only_selects():
     logits = np.array([0.0, 1.0, 2.0, 3.0])
     bias = np.array([10.0, 0.0, 0.0, 0.0])

@@ -90,6 +90,37 @@ def test_paged_backend_equals_unpaged(seed, n, chunk, pages):
     assert np.array_equal(np.stack(got), ref)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_interleaved_slots_in_one_pass_equal_unpaged(dtype):
+    """Rows of several slots interleaved within passes (a slot's rows not adjacent in the plan,
+    a slot with several rows, emitting and silent rows mixed) give each slot the logits of its
+    unpaged decode, bitwise; float64 runs such a pass row by row."""
+    m = model("deep_window", 1, dtype)
+    n = (48, 41, 30)
+    ids = [prompt(10 + s, n[s], m.config.vocab_size) for s in range(3)]
+    ref = [m.decode_logits(x) for x in ids]
+    b = NumpyBackend(m)
+    b.configure(n_slots=3, n_pages=3)
+    for s in range(3):
+        b.reset_slot(s)
+        b.set_block_table(s, [2 - s])
+    got, pos = [[] for _ in range(3)], [0, 0, 0]
+    while any(pos[s] < n[s] for s in range(3)):
+        rows = []
+        for rep in range(3):  # up to three rows per slot, round robin: s0 s1 s2 s0 s1 s2 ...
+            for s in range(3):
+                if pos[s] < n[s] and len(rows) < 16:
+                    rows.append(Row(s, pos[s], ids[s][pos[s]], emit=(pos[s] % 3 != 1),
+                                    want_logits=(pos[s] % 3 != 1)))
+                    pos[s] += 1
+        for r, lg in zip(rows, b.step(StepPlan.from_rows(rows)).logits):
+            if lg is not None:
+                got[r.slot].append((r.position, lg))
+    for s in range(3):
+        want = [ref[s][p] for p, _ in got[s]]
+        assert all(np.array_equal(a, w) for (_, a), w in zip(got[s], want)) and len(got[s]) == len(want)
+
+
 def test_backend_refuses_out_of_order_rows_without_changing_state():
     m = model("deep_window", 0, np.float32)
     b = NumpyBackend(m)

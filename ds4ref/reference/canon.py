@@ -19,6 +19,7 @@ without fastmath, which is never turned on here (tests/test_canon.py checks).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numba
 import numpy as np
@@ -163,6 +164,21 @@ def _butterfly(p, n):
 
 
 @numba.njit(cache=True)
+def _butterfly_cols(p, live, n):
+    """The butterfly of the 32 partials p[:, i] of each column i < n, lanes >= live being +0.
+    A partial summed from +0 is never -0 (in round to nearest, a sum is -0 only when both
+    terms are), so adding a +0 lane changes nothing and is skipped: exactly the full
+    butterfly's result, p[0]."""
+    h = LANES // 2
+    while h >= 1:
+        for q in range(min(h, live - h)):
+            for i in range(n):
+                p[q, i] = p[q, i] + p[q + h, i]
+        live = min(live, h)
+        h //= 2
+
+
+@numba.njit(cache=True)
 def _dot_warp8(w, x, c0, clen, p):
     """Warp dot of w[c0:c0+clen] . x[c0:c0+clen]: lane t sums columns t*8 .. t*8+7 of every
     256-column step, steps in order, then the butterfly."""
@@ -183,6 +199,7 @@ def _dot_warp8(w, x, c0, clen, p):
 
 @numba.njit(cache=True)
 def _matvec(x, w, ks):
+    """The written order, one output at a time: the per-row yardstick of _matmul (tests)."""
     n, k = x.shape
     rows = w.shape[0]
     y = np.empty((n, rows), np.float32)
@@ -196,6 +213,100 @@ def _matvec(x, w, ks):
     return y
 
 
+MM_ROWS = 256  # weight rows per block of _matmul: their 32 partials per input fit in L1
+
+
+@numba.njit(cache=True)
+def _lane_partials(wt, x, c0, clen, p, n_in):
+    """The 32 lane partials of every column of the block wt (K, bw) against the n_in (1 or 2)
+    inputs x[:n_in], sharing each weight load: lane t's partial takes column
+    c = s*256 + t*8 + j of the slice [c0, c0 + clen), and visiting (s, j, t) in that nesting
+    keeps each partial's additions in the order s, then j. Returns the lanes that got a column."""
+    bw = wt.shape[1]
+    live = min(LANES, (clen + 7) // 8)
+    p[:n_in, :live, :] = _ZERO
+    for s in range(0, clen, LANES * 8):
+        for j in range(8):
+            for t in range(LANES):
+                c = s + t * 8 + j
+                if c >= clen:
+                    break
+                wc = wt[c0 + c]
+                q0, u0 = p[0, t], x[0, c0 + c]
+                if n_in == 1:
+                    for i in range(bw):
+                        q0[i] = q0[i] + wc[i] * u0
+                else:
+                    q1, u1 = p[1, t], x[1, c0 + c]
+                    for i in range(bw):
+                        wi = wc[i]
+                        q0[i] = q0[i] + wi * u0
+                        q1[i] = q1[i] + wi * u1
+    return live
+
+
+@numba.njit(cache=True)
+def _matmul(x, wb, rows, ks):
+    """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
+    element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
+    same order, the same butterfly, the slices summed in order; so a row's outputs do not
+    depend on the other rows. The innermost loop runs over a block's weight rows
+    (independent accumulators, vectorisable), for two input rows at a time."""
+    n, k = x.shape
+    nb, _, bw = wb.shape
+    y = np.zeros((n, rows), np.float32)
+    p = np.empty((2, LANES, bw), np.float32)
+    for b in range(nb):
+        wt = wb[b]
+        r0, rb = b * bw, min(bw, rows - b * bw)
+        for a in range(0, n, 2):
+            n_in = min(2, n - a)
+            for c0 in range(0, k, ks):
+                live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in)
+                for e in range(n_in):
+                    _butterfly_cols(p[e], live, rb)
+                    for i in range(rb):
+                        y[a + e, r0 + i] = y[a + e, r0 + i] + p[e, 0, i]
+    return y
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    rows, k = w.shape
+    bw = max(1, min(rows, MM_ROWS))
+    nb = -(-rows // bw)
+    padded = np.zeros((nb * bw, k), F32)
+    padded[:rows] = w
+    return np.ascontiguousarray(padded.reshape(nb, bw, k).transpose(0, 2, 1))
+
+
+_BLOCKS: dict[int, tuple] = {}   # id(root array) -> (weakref, {view: blocks})
+_BY_ID: dict[int, tuple] = {}    # id(array) -> (weakref, blocks): the fast path
+
+
+def weight_blocks(w: np.ndarray) -> np.ndarray:
+    """w (rows, K) as _matmul reads it: blocks of bw = min(rows, MM_ROWS) rows, each transposed
+    to (K, bw), the last one padded with zero rows. A read-only w (the model's weights are) is laid out
+    once: the copy is kept, per view, for as long as the memory w views lives."""
+    hit = _BY_ID.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    root = w
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if w.flags.writeable or root.flags.writeable:
+        return _blocks(w)
+    key = id(root)
+    entry = _BLOCKS.get(key)
+    if entry is None or entry[0]() is not root:
+        entry = _BLOCKS[key] = (weakref.ref(root, lambda _, key=key: _BLOCKS.pop(key, None)), {})
+    view = (w.__array_interface__["data"][0] - root.__array_interface__["data"][0], w.shape, w.strides)
+    wb = entry[1].get(view)
+    if wb is None:
+        wb = entry[1][view] = _blocks(w)
+    _BY_ID[id(w)] = (weakref.ref(w, lambda _, key=id(w): _BY_ID.pop(key, None)), wb)
+    return wb
+
+
 def ksplit(rows: int, cols: int) -> int:
     """Columns per slice of a split dense dot product (0: not split). A property of the
     matrix's shape: few long rows (hc mixes, router, indexer weights) are cut into slices
@@ -205,13 +316,46 @@ def ksplit(rows: int, cols: int) -> int:
 
 def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     """x @ w.T, each output one warp dot (sliced by `ksplit` for dense weights; routed
-    experts pass split=False, their kernel never slices)."""
+    experts pass split=False, their kernel never slices). All rows of x in one pass over
+    the weights; every row's result is bitwise that of the row alone."""
     x = np.ascontiguousarray(x, F32)
-    w = np.ascontiguousarray(w, F32)
+    w = np.asarray(w, F32)
     k = x.shape[-1]
     ks = (ksplit(w.shape[0], k) if split else 0) or max(k, 1)
-    y = _matvec(x.reshape(-1, k), w, ks)
+    y = _matmul(x.reshape(-1, k), weight_blocks(w), w.shape[0], ks)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+
+@numba.njit(cache=True)
+def _swiglu(x, wb1, wb3, wb2, ff, d, ks_in, ks_ff, clamp):
+    g = _matmul(x, wb1, ff, ks_in)
+    u = _matmul(x, wb3, ff, ks_in)
+    for r in range(g.shape[0]):
+        for i in range(ff):
+            gi, ui = g[r, i], u[r, i]
+            if not gi < clamp and gi == gi:  # np.minimum(g, clamp): NaN stays NaN
+                gi = clamp
+            if not ui > -clamp and ui == ui:  # np.clip(u, -clamp, clamp), likewise
+                ui = -clamp
+            if not ui < clamp and ui == ui:
+                ui = clamp
+            g[r, i] = silu_f32(gi) * ui
+    return _matmul(g, wb2, d, ks_ff)
+
+
+def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
+           split: bool = True) -> np.ndarray:
+    """Clamped SwiGLU expert: linear(silu(min(x W1, clamp)) * clip(x W3, +-clamp), W2), the
+    products as `linear` computes them, in one call."""
+    x = np.ascontiguousarray(x, F32)
+    w1, w3, w2 = (np.asarray(w, F32) for w in (w1, w3, w2))
+    k, (ff, d) = x.shape[-1], (w1.shape[0], w2.shape[0])
+
+    def ks(w):
+        return (ksplit(*w.shape) if split else 0) or max(w.shape[1], 1)
+    y = _swiglu(x.reshape(-1, k), weight_blocks(w1), weight_blocks(w3), weight_blocks(w2), ff, d,
+                ks(w1), ks(w2), F32(clamp))
+    return y.reshape(x.shape[:-1] + (d,))
 
 
 @numba.njit(cache=True)
@@ -225,9 +369,10 @@ def _sumsq_rows(x):
     for r in range(n):
         for i in range(NORM_THREADS):
             p[i] = _ZERO
-        for i in range(d):
-            t = i % NORM_THREADS
-            p[t] = p[t] + x[r, i] * x[r, i]
+        xr = x[r]
+        for b in range(0, d, NORM_THREADS):  # columns b .. b+255: one per thread, in order
+            for t in range(min(NORM_THREADS, d - b)):
+                p[t] = p[t] + xr[b + t] * xr[b + t]
         for wp in range(8):
             wsum[wp] = _butterfly(p[wp * LANES:(wp + 1) * LANES], LANES)
         out[r] = _butterfly(wsum, 8)
@@ -249,14 +394,26 @@ def seqsum(terms) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _dot_lanes(q, k, p):
-    """Warp dot of two length-D vectors: lane t sums dims t, t+32, ... in order, then the butterfly."""
-    for t in range(LANES):
-        p[t] = _ZERO
-    for t in range(LANES):
-        for i in range(t, q.size, LANES):
-            p[t] = p[t] + q[i] * k[i]
-    return _butterfly(p, LANES)
+def _dots_lanes(q, kt, n, p, out):
+    """out[i] = warp dot of q (D,) with key i < n, kt = keys.T (D, >= n): lane t sums dims t,
+    t+32, ... in order, then the butterfly. All keys at once (the innermost loop runs over
+    keys); p is (32, >= n) scratch."""
+    d = kt.shape[0]
+    p[:, :n] = _ZERO
+    for b in range(0, d, LANES):  # dims b .. b+31: one per lane, each lane's terms in order
+        for t in range(min(LANES, d - b)):
+            qv = q[b + t]
+            row = kt[b + t]
+            pt = p[t]
+            for i in range(n):
+                pt[i] = pt[i] + qv * row[i]
+    h = LANES // 2
+    while h >= 1:
+        for t in range(h):
+            for i in range(n):
+                p[t, i] = p[t, i] + p[t + h, i]
+        h //= 2
+    out[:n] = p[0, :n]
 
 
 # ---------------------------------------------------------------------------
@@ -310,25 +467,72 @@ def sinkhorn(c, iters, eps):
     return out
 
 
-def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
+@numba.njit(cache=True)
+def _hc_split(m, streams, base, scale, eps, iters):
+    """From the mixing logits m (n, hc*(2+hc)): pre, post, the Sinkhorn-normalised comb, and the
+    block input u; elementwise as the docs' hc_pre table, sums in order."""
     n, hc, d = streams.shape
+    pre = np.empty((n, hc), np.float32)
+    post = np.empty((n, hc), np.float32)
+    comb = np.empty((n, hc, hc), np.float32)
+    u = np.empty((n, d), np.float32)
+    v = np.empty(hc, np.float32)
+    for r in range(n):
+        for k in range(hc):
+            pre[r, k] = sigmoid_f32(m[r, k] * scale[0] + base[k]) + eps
+            post[r, k] = _TWO * sigmoid_f32(m[r, hc + k] * scale[1] + base[hc + k])
+        for i in range(hc):
+            o = 2 * hc + i * hc
+            for j in range(hc):
+                v[j] = m[r, o + j] * scale[2] + base[o + j]
+            mx = v[0]
+            for j in range(1, hc):
+                if v[j] > mx or v[j] != v[j]:  # np.max: NaN wins
+                    mx = v[j]
+            tot = _ZERO
+            for j in range(hc):
+                v[j] = exp_f32(v[j] - mx)
+                tot = tot + v[j]
+            for j in range(hc):
+                comb[r, i, j] = v[j] / tot + eps
+        c = comb[r]
+        for it in range(iters):
+            if it > 0:
+                _normalise_rows(c, eps)
+            _normalise_rows(c.T, eps)
+        for e in range(d):
+            acc = _ZERO
+            for k in range(hc):
+                acc = acc + pre[r, k] * streams[r, k, e]
+            u[r, e] = acc
+    return u, post, comb
+
+
+def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
     m = _hc_mix(streams, fn, rms_eps)
-    eps = F32(hc_eps)
-    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
-    post = _TWO * sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
-    e = exp(logits - np.max(logits, axis=-1, keepdims=True))
-    comb = e / seqsum(e[..., j:j + 1] for j in range(hc)) + eps
-    comb = sinkhorn(np.ascontiguousarray(comb), int(iters), eps)
-    return _weighted_streams(pre, streams), post, comb
+    return _hc_split(m, np.ascontiguousarray(streams, F32), np.asarray(base, F32), np.asarray(scale, F32),
+                     F32(hc_eps), int(iters))
+
+
+@numba.njit(cache=True)
+def _hc_post(streams, y, post, comb):
+    n, hc, d = streams.shape
+    out = np.empty((n, hc, d), np.float32)
+    for r in range(n):
+        for j in range(hc):
+            o = out[r, j]
+            for e in range(d):
+                o[e] = post[r, j] * y[r, e]
+            for i in range(hc):
+                c, si = comb[r, i, j], streams[r, i]
+                for e in range(d):
+                    o[e] = o[e] + c * si[e]
+    return out
 
 
 def hc_post(streams, y, post, comb):
     """S'[j] = post_j * y + comb[0, j] S[0] + comb[1, j] S[1] + ..., in that order."""
-    acc = post[:, :, None] * y[:, None, :]
-    for i in range(streams.shape[1]):
-        acc = acc + comb[:, i, :, None] * streams[:, i, None, :]
-    return acc
+    return _hc_post(*(np.ascontiguousarray(a, F32) for a in (streams, y, post, comb)))
 
 
 def hc_head(streams, fn, base, scale, rms_eps, hc_eps):
@@ -352,22 +556,26 @@ def rope_cos_sin(omega: np.ndarray, pos) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(cache=True)
-def _rotate(v, h):
+def _rotate(v, ht):
+    """out[r, j] = sum over i in order of v[r, i] * h[j, i], ht = h.T: every output j of a row
+    at once (the innermost loop runs over j)."""
     n, d = v.shape
-    out = np.empty((n, h.shape[0]), np.float32)
+    out = np.zeros((n, ht.shape[1]), np.float32)
     for r in range(n):
-        for j in range(h.shape[0]):
-            acc = _ZERO
-            for i in range(d):
-                acc = acc + v[r, i] * h[j, i]
-            out[r, j] = acc
+        o = out[r]
+        for i in range(d):
+            vi = v[r, i]
+            hi = ht[i]
+            for j in range(o.size):
+                o[j] = o[j] + vi * hi[j]
     return out
 
 
 def hadamard_rotate(v: np.ndarray, h: np.ndarray) -> np.ndarray:
     """v @ h.T, each output summed over i in order (one thread per output on the GPU)."""
     v = np.ascontiguousarray(v, F32)
-    return _rotate(v.reshape(-1, v.shape[-1]), np.ascontiguousarray(h, F32)).reshape(v.shape[:-1] + (h.shape[0],))
+    ht = np.ascontiguousarray(np.asarray(h, F32).T)
+    return _rotate(v.reshape(-1, v.shape[-1]), ht).reshape(v.shape[:-1] + (h.shape[0],))
 
 
 # ---------------------------------------------------------------------------
@@ -383,26 +591,30 @@ def _attention(q, keys, sinks, scale):
     n = keys.shape[0]
     nz = (n + ATTN_SLICE - 1) // ATTN_SLICE
     out = np.empty((h_n, d), np.float32)
-    p = np.empty(LANES, np.float32)
+    kt = keys.T.copy()
+    p = np.empty((LANES, n), np.float32)
+    sc = np.empty(n, np.float32)
     zm = np.empty(nz, np.float32)
     zden = np.empty(nz, np.float32)
+    ze = np.empty(nz, np.float32)
     zacc = np.empty((nz, d), np.float32)
     for h in range(h_n):
+        _dots_lanes(q[h], kt, n, p, sc)
         for z in range(nz):
             m, den = -_INF, _ZERO
             acc = zacc[z]
             acc[:] = _ZERO
             for i in range(z * ATTN_SLICE, min(n, (z + 1) * ATTN_SLICE)):
                 k = keys[i]
-                sc = _dot_lanes(q[h], k, p) * scale
-                if sc > m:
-                    c = exp_f32(m - sc)
+                si = sc[i] * scale
+                if si > m:
+                    c = exp_f32(m - si)
                     den = den * c + _ONE
                     for t in range(d):
                         acc[t] = acc[t] * c + k[t]
-                    m = sc
+                    m = si
                 else:
-                    e = exp_f32(sc - m)
+                    e = exp_f32(si - m)
                     den = den + e
                     for t in range(d):
                         acc[t] = acc[t] + e * k[t]
@@ -413,20 +625,36 @@ def _attention(q, keys, sinks, scale):
             mf = max(mf, zm[z])
         dtot = exp_f32(sk - mf)
         for z in range(nz):
-            dtot = dtot + zden[z] * exp_f32(zm[z] - mf)
+            ze[z] = exp_f32(zm[z] - mf)
+            dtot = dtot + zden[z] * ze[z]
         for t in range(d):
             a = _ZERO
             for z in range(nz):
-                a = a + zacc[z, t] * exp_f32(zm[z] - mf)
+                a = a + zacc[z, t] * ze[z]
             out[h, t] = a / dtot
     return out
 
 
+@numba.njit(cache=True)
+def _attention_rows(q, keys, offsets, sinks, scale):
+    out = np.empty(q.shape, np.float32)
+    for r in range(q.shape[0]):
+        out[r] = _attention(q[r], keys[offsets[r]:offsets[r + 1]], sinks, scale)
+    return out
+
+
+def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
+    """Row r of q (R, H, D) attends to its own visible rows: the concatenation of the arrays
+    keys[r] (one list per row, in order) -> (R, H, D), in one call."""
+    scale = F32(1.0 / math.sqrt(q.shape[-1]))
+    flat = np.concatenate([k for row in keys for k in row]).astype(F32, copy=False)
+    offsets = np.concatenate([[0], np.cumsum([sum(len(k) for k in row) for row in keys])])
+    return _attention_rows(np.ascontiguousarray(q, F32), flat, offsets, np.ascontiguousarray(sinks, F32), scale)
+
+
 def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray) -> np.ndarray:
     """q (H, D), keys (N, D): the visible K=V rows in their fixed order -> (H, D)."""
-    scale = F32(1.0 / math.sqrt(q.shape[-1]))
-    return _attention(np.ascontiguousarray(q, F32), np.ascontiguousarray(keys, F32),
-                      np.ascontiguousarray(sinks, F32), scale)
+    return attention_rows(np.asarray(q)[None], [[keys]], sinks)[0]
 
 
 def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
@@ -444,19 +672,28 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _indexer_scores(qi, wts, keys):
-    n = keys.shape[0]
-    out = np.empty(n, np.float32)
-    p = np.empty(LANES, np.float32)
-    for r in range(n):
-        total = _ZERO
-        for h in range(qi.shape[0]):
-            total = total + max(_dot_lanes(qi[h], keys[r], p), _ZERO) * wts[h]
-        out[r] = total
+def _indexer_scores(qi, wts, kt, counts):
+    m, n = qi.shape[0], kt.shape[1]
+    out = np.full((m, n), np.nan, np.float32)
+    p = np.empty((LANES, n), np.float32)
+    dots = np.empty(n, np.float32)
+    for r in range(m):
+        c, o = counts[r], out[r]
+        o[:c] = _ZERO
+        for h in range(qi.shape[1]):
+            _dots_lanes(qi[r, h], kt, c, p, dots)
+            for i in range(c):
+                o[i] = o[i] + max(dots[i], _ZERO) * wts[r, h]
     return out
+
+
+def indexer_scores_rows(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts) -> np.ndarray:
+    """indexer_scores of m queries (qi (m, Hi, Di), wts (m, Hi)) against the first counts[r]
+    of the same keys (N, Di), in one call -> (m, N), NaN past counts[r]."""
+    return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
+                           np.ascontiguousarray(np.asarray(keys, F32).T), np.asarray(counts, np.int64))
 
 
 def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """score_n = sum over heads h, in order, of relu(q_h . k_n) * w_h (w already scaled)."""
-    return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
-                           np.ascontiguousarray(keys, F32))
+    return indexer_scores_rows(np.asarray(qi)[None], np.asarray(wts)[None], keys, [len(keys)])[0]

@@ -1,9 +1,20 @@
-"""One token through every layer, reading and updating a sequence's decode state.
+"""A pass of rows through every layer, reading and updating their sequences' decode state.
 
-This is the exact per-row computation: the unpaged reference, the paged
-NumpyBackend and (as the yardstick) the HIP backend all compute this.
+A row is one token at one position of one sequence (its state); rows of one sequence are
+consecutive positions, in pass order. Every weight's product runs once for all the rows of
+the pass: the canonical arithmetic fixes each output element's order whatever the batch,
+so a row's bits never depend on the rows beside it. What a row reads from or writes to its
+sequence's state runs row by row in pass order (raw window, compressor, compressed and
+indexer rows, the attention over what is visible), so row p + 1 of a sequence sees what
+row p wrote, exactly as when fed one pass at a time. One token is the pass of one row.
+
+This is the exact computation: the unpaged reference, the paged NumpyBackend and
+(as the yardstick) the HIP backend all compute it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -13,78 +24,154 @@ from .layers import (LayerWeights, Tables, attention_output, embed, ffn_block, f
 from .state import ATTN, INDEX
 
 
-def compressor_step(lw: LayerWeights, kind: str, state, il: int, a: np.ndarray, pos: int,
-                    tables: Tables, numerics: str, cfg) -> None:
-    """Feed token `pos` to the layer's compressor; at a window's last token, pool it
-    and append one compressed row (spec §3.4 ratio 4, §3.5 ratio 128)."""
-    prefix = "attn_compressor" if kind == ATTN else "indexer_compressor"
-    st = state.compressor(il, kind)
+@dataclass
+class Rows:
+    """The rows of a pass: row i feeds tokens[i] at positions[i] to states[i]."""
+    states: Sequence
+    tokens: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, states, tokens, positions) -> "Rows":
+        return cls(list(states), np.asarray(tokens, np.int64), np.asarray(positions, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: slice) -> "Rows":
+        return Rows(self.states[i], self.tokens[i], self.positions[i])
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(start, stop) of each run of consecutive rows of one sequence."""
+        cuts = [i for i in range(1, len(self)) if self.states[i] is not self.states[i - 1]]
+        return list(zip([0] + cuts, cuts + [len(self)]))
+
+
+def raw_keys(rows: Rows, il: int, kv: np.ndarray) -> list[np.ndarray]:
+    """Each row stores its KV row in its sequence's raw window, then reads the window that ends
+    at it (row by row: a later row of the same sequence sees the earlier ones)."""
+    keys = []
+    for st, pos, row in zip(rows.states, rows.positions, kv):
+        st.put_raw(il, int(pos), row)
+        keys.append(st.raw_rows(il, int(pos)))
+    return keys
+
+
+def compressor_feed(st, pos: int, kv: np.ndarray, score: np.ndarray):
+    """One token into a compressor state; at a window's last token, return the window's pooling
+    candidates (kv, score), fresh arrays, and start the next window. None otherwise."""
     ratio, d = st.ratio, st.width
-    st.cur_kv[pos % ratio] = ops.linear(a, lw[f"{prefix}_kv.weight"])[0]
-    st.cur_score[pos % ratio] = ops.linear(a, lw[f"{prefix}_gate.weight"])[0] + lw[f"{prefix}_ape.weight"][pos % ratio]
+    st.cur_kv[pos % ratio] = kv
+    st.cur_score[pos % ratio] = score
     if (pos + 1) % ratio:
-        return
+        return None
     if ratio == 4:  # candidates: previous window's lane A, this window's lane B
         kv = np.concatenate([st.prev_kv, st.cur_kv[:, d:]])
         score = np.concatenate([st.prev_score, st.cur_score[:, d:]])
         st.prev_kv[:] = st.cur_kv[:, :d]
         st.prev_score[:] = st.cur_score[:, :d]
-    else:
-        kv, score = st.cur_kv, st.cur_score
-    w = pos // ratio
-    row = finish_compressed_row(lw, prefix, ops.pool_window(kv, score)[None], w * ratio,
-                                tables, numerics, cfg, hadamard_kind=(kind == INDEX))
-    state.put_row(il, kind, w, row[0])
+        return kv, score
+    return st.cur_kv.copy(), st.cur_score.copy()
 
 
-def visible_compressed(lw, cfg, tables, numerics, state, il, a, qr, cos, sin, pos) -> np.ndarray:
-    """Compressed rows the query at `pos` attends to, in index order."""
+def compress(lw: LayerWeights, kind: str, rows: Rows, il: int, a: np.ndarray, tables: Tables, numerics: str,
+             cfg) -> None:
+    """Feed every row to its sequence's compressor of this kind, in pass order; each window a row
+    completes becomes one compressed row (spec §3.4 ratio 4, §3.5 ratio 128). A row sees the
+    compressed rows of windows that end at or before it, so all of them can be stored first."""
+    prefix = "attn_compressor" if kind == ATTN else "indexer_compressor"
     ratio = cfg.ratio(il)
-    n = (pos + 1) // ratio
-    rows = state.get_rows(il, ATTN, n)
-    if ratio != 4 or n <= cfg.indexer_top_k:
-        return rows
-    qi, wts = indexer_query(lw, cfg, tables, numerics, a, qr, cos, sin)
-    scores = ops.indexer_scores(qi[0], wts[0], state.get_rows(il, INDEX, n))
-    return rows[ops.topk_lower_index(scores, cfg.indexer_top_k)]
+    kv = ops.linear(a, lw[f"{prefix}_kv.weight"])
+    score = ops.linear(a, lw[f"{prefix}_gate.weight"]) + lw[f"{prefix}_ape.weight"][rows.positions % ratio]
+    done = []
+    for i, (st, pos) in enumerate(zip(rows.states, rows.positions)):
+        window = compressor_feed(st.compressor(il, kind), int(pos), kv[i], score[i])
+        if window is not None:
+            done.append((st, int(pos) // ratio, *window))
+    if not done:
+        return
+    pooled = ops.pool_window(np.stack([d[2] for d in done]), np.stack([d[3] for d in done]))
+    first = np.array([d[1] * ratio for d in done])
+    out = finish_compressed_row(lw, prefix, pooled, first, tables, numerics, cfg, hadamard_kind=(kind == INDEX))
+    for (st, w, _, _), row in zip(done, out):
+        st.put_row(il, kind, w, row)
 
 
-def raw_window(ring: np.ndarray, pos: int) -> np.ndarray:
-    """Rows of positions max(0, pos-W+1) .. pos, oldest first (fresh copy)."""
-    w = ring.shape[0]
-    positions = np.arange(max(0, pos - w + 1), pos + 1)
-    return ring[positions % w]
+def history(rows: Rows, il: int, n: np.ndarray) -> list[np.ndarray]:
+    """Per row, the first n[i] compressed rows of its sequence: read once per run of
+    consecutive rows of one sequence (n grows along a run), then sliced."""
+    out = []
+    for start, stop in rows.runs():
+        every = rows.states[start].get_rows(il, ATTN, int(n[stop - 1]))
+        out += [every[:n[i]] for i in range(start, stop)]
+    return out
 
 
-def attention_block(lw, cfg, tables, numerics, state, il, streams, pos):
+def visible_compressed(lw, cfg, tables, numerics, rows: Rows, il, a, qr, cos, sin) -> list[np.ndarray]:
+    """Per row, the compressed rows its query attends to, in index order: all of them, or on a
+    ratio-4 layer past top_k rows, the ones the indexer picks."""
+    ratio, top_k = cfg.ratio(il), cfg.indexer_top_k
+    n = (rows.positions + 1) // ratio
+    out = history(rows, il, n)
+    pick = np.nonzero(n > top_k)[0] if ratio == 4 else []
+    if len(pick) == 0:
+        return out
+    qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick])
+    for start, stop in rows.runs():
+        j = np.nonzero((pick >= start) & (pick < stop))[0]  # this run's picking rows, in qi
+        if len(j):
+            keys = rows.states[start].get_rows(il, INDEX, int(n[stop - 1]))
+            for i, chosen in zip(pick[j], ops.indexer_topk(qi[j], wts[j], keys, n[pick[j]], top_k)):
+                out[i] = out[i][chosen]
+    return out
+
+
+def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
+    """The projections for all rows, then each row's state update and attention, in pass order,
+    then the output projection for all rows."""
     ratio = cfg.ratio(il)
     u, post, comb = hc(lw, "attn", cfg, streams)
     a, qr, q, kv = project_qkv(lw, cfg, u)
-    cos, sin = ops.rope_cos_sin(tables.omega(ratio), np.array([pos]), u.dtype)
+    cos, sin = ops.rope_cos_sin(tables.omega(ratio), rows.positions, u.dtype)
     q = ops.rope(q, cos[:, None, :], sin[:, None, :])
     kv = ops.rope(kv, cos, sin)
     if numerics == "official":
         kv = ops.fp8sim(kv, cfg.n_rot)
-    ring = state.raw_ring(il)
-    ring[pos % ring.shape[0]] = kv[0]
-    keys = raw_window(ring, pos)
+    keys = raw_keys(rows, il, kv)
     if ratio:
-        compressor_step(lw, ATTN, state, il, a, pos, tables, numerics, cfg)
+        compress(lw, ATTN, rows, il, a, tables, numerics, cfg)
         if ratio == 4:
-            compressor_step(lw, INDEX, state, il, a, pos, tables, numerics, cfg)
-        keys = np.concatenate([keys, visible_compressed(lw, cfg, tables, numerics, state, il,
-                                                        a, qr, cos, sin, pos)])
-    o = ops.attention_with_sinks(q[0], keys, lw["attn_sinks.weight"])[None]
+            compress(lw, INDEX, rows, il, a, tables, numerics, cfg)
+        comp = visible_compressed(lw, cfg, tables, numerics, rows, il, a, qr, cos, sin)
+        keys = [[k, c] for k, c in zip(keys, comp)]
+    else:
+        keys = [[k] for k in keys]
+    o = ops.attention_rows(q, keys, lw["attn_sinks.weight"])
     return ops.hc_post(streams, attention_output(lw, cfg, o, cos, sin), post, comb)
+
+
+def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.ndarray | None = None) -> np.ndarray:
+    """Advance every row's state by its token; the logits (rows flagged in emit, vocab),
+    emit defaulting to every row. float64 (plain NumPy, not batch-invariant) runs row by row."""
+    cfg = weights.config
+    emit = np.ones(len(rows), bool) if emit is None else np.asarray(emit, bool)
+    if len(rows) == 0:
+        return np.zeros((0, cfg.vocab_size), weights.dtype)
+    if not ops.batch_invariant(weights.dtype) and len(rows) > 1:
+        return np.concatenate([decode_rows(weights, tables, numerics, rows[i:i + 1], emit[i:i + 1])
+                               for i in range(len(rows))])
+    streams = embed(weights, rows.tokens, cfg)
+    for il in range(cfg.n_layer):
+        lw = LayerWeights(weights, il)
+        streams = attention_block(lw, cfg, tables, numerics, rows, il, streams)
+        streams = ffn_block(lw, cfg, il, streams, rows.tokens)
+    if not emit.any():
+        return np.zeros((0, cfg.vocab_size), weights.dtype)
+    return head(weights, cfg, streams[emit])
 
 
 def decode_step(weights, tables: Tables, numerics: str, state, token: int, pos: int,
                 want_logits: bool = True) -> np.ndarray | None:
     """Advance `state` by one token at position `pos`; return its logits (vocab,)."""
-    cfg = weights.config
-    streams = embed(weights, [token], cfg)
-    for il in range(cfg.n_layer):
-        lw = LayerWeights(weights, il)
-        streams = attention_block(lw, cfg, tables, numerics, state, il, streams, pos)
-        streams = ffn_block(lw, cfg, il, streams, [token])
-    return head(weights, cfg, streams)[0] if want_logits else None
+    out = decode_rows(weights, tables, numerics, Rows.of([state], [token], [pos]), np.array([want_logits]))
+    return out[0] if want_logits else None

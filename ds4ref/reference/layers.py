@@ -94,29 +94,46 @@ def attention_output(lw: LayerWeights, cfg: DS4Config, o: np.ndarray, cos, sin) 
     return ops.grouped_output(o, lw["attn_output_a.weight"], lw["attn_output_b.weight"], cfg.o_groups)
 
 
-def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, token: int) -> np.ndarray:
-    """One token's FFN: routed experts (hash or learned routing) plus the shared expert."""
-    hash_ids = lw["ffn_gate_tid2eid.weight"][token] if cfg.is_hash_layer(il) else None
+def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
+    """The FFN of N rows x (N, d): routed experts (hash or learned routing) plus the shared expert.
+
+    Rows that chose an expert go through it together; each row then adds its experts' outputs
+    in ascending id order from +0, then the shared expert's, so its sum is the one it has alone.
+    float64 (plain NumPy) runs row by row: a BLAS product's bits depend on its number of rows."""
+    if not ops.batch_invariant(x):
+        return np.concatenate([_moe(lw, cfg, il, x[i:i + 1], tokens[i:i + 1]) for i in range(x.shape[0])])
+    return _moe(lw, cfg, il, x, tokens)
+
+
+def _moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
+    hash_ids = lw["ffn_gate_tid2eid.weight"][np.asarray(tokens)] if cfg.is_hash_layer(il) else None
     bias = None if hash_ids is not None else lw["exp_probs_b.bias"]
-    ids, w = ops.route(ops.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_expert_used, bias, hash_ids,
-                       cfg.expert_weights_scale, cfg.expert_weights_norm)
-    clamp = cfg.swiglu_clamp[il]
+    ids, w = ops.route_rows(ops.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_expert_used, bias, hash_ids,
+                            cfg.expert_weights_scale, cfg.expert_weights_norm)
+    down = routed_experts(lw, cfg.swiglu_clamp[il], x, ids)
     y = np.zeros_like(x)
-    for e, we in zip(ids, w):
-        y += we * ops.swiglu(x, lw.expert("ffn_gate_exps.weight", e), lw.expert("ffn_up_exps.weight", e),
-                             lw.expert("ffn_down_exps.weight", e), clamp,
-                             split=False)
+    for j in range(ids.shape[1]):
+        y = y + w[:, j, None] * down[:, j]
     if cfg.n_expert_shared:
-        y += ops.swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"],
-                        lw["ffn_down_shexp.weight"], clamp)
+        y = y + ops.swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"],
+                           lw["ffn_down_shexp.weight"], cfg.swiglu_clamp[il])
     return y
+
+
+def routed_experts(lw: LayerWeights, clamp: float, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """down[n, j] = expert ids[n, j] applied to x[n]: each chosen expert once, on all its rows."""
+    down = np.empty(ids.shape + x.shape[-1:], x.dtype)
+    for e in np.unique(ids):
+        rows, slot = np.nonzero(ids == e)
+        down[rows, slot] = ops.swiglu(x[rows], lw.expert("ffn_gate_exps.weight", e), lw.expert("ffn_up_exps.weight", e),
+                                      lw.expert("ffn_down_exps.weight", e), clamp, split=False)
+    return down
 
 
 def ffn_block(lw: LayerWeights, cfg: DS4Config, il: int, streams: np.ndarray, tokens) -> np.ndarray:
     u, post, comb = hc(lw, "ffn", cfg, streams)
     x = ops.rmsnorm(u, lw["ffn_norm.weight"], cfg.rms_eps)
-    y = np.stack([moe(lw, cfg, il, x[i], int(t)) for i, t in enumerate(tokens)])
-    return ops.hc_post(streams, y, post, comb)
+    return ops.hc_post(streams, moe(lw, cfg, il, x, tokens), post, comb)
 
 
 def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:

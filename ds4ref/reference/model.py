@@ -6,8 +6,9 @@ from typing import Sequence
 import numpy as np
 
 from ..config import DS4Config
-from .decode import decode_step
+from .decode import Rows, decode_rows, decode_step
 from .layers import NUMERICS, Tables
+from .ops import batch_invariant
 from .prefill import prefill_logits
 from .state import SeqState
 
@@ -28,6 +29,9 @@ def check_tokens(cfg: DS4Config, token_ids: Sequence[int], what: str = "prompt")
     if bad.size:
         raise InputError(f"{what} has token id {int(bad[0])} out of range 0..{cfg.vocab_size - 1}")
     return ids.astype(np.int64)
+
+
+SCORE_CHUNK = 512  # rows of one sequence per pass of score()
 
 
 class Model:
@@ -52,14 +56,29 @@ class Model:
         return SeqState(self.config, self.dtype)
 
     def step(self, state, token: int, pos: int, want_logits: bool = True) -> np.ndarray | None:
-        """One token through the decode state; the per-row computation of every backend."""
+        """One token through the decode state: the pass of one row."""
         return decode_step(self.weights, self.tables, self.numerics, state, int(token), int(pos), want_logits)
 
+    def step_rows(self, states, tokens, positions, emit=None) -> np.ndarray:
+        """One pass of rows (row i: tokens[i] at positions[i] into states[i]; a sequence's rows
+        consecutive, in order); logits of the rows flagged in emit (default all), in row order."""
+        return decode_rows(self.weights, self.tables, self.numerics, Rows.of(states, tokens, positions), emit)
+
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits (T, vocab) at every position, computed all at once."""
+        """Teacher-forced logits (T, vocab) at every position.
+
+        float32: the sequence's rows in passes of SCORE_CHUNK through a fresh decode state,
+        the decode step's very computation (so bitwise the streamed decode's). float64: the
+        whole-sequence forward of prefill.py, all at once."""
         ids = check_tokens(self.config, token_ids)
         self._check_length(len(ids))
-        return prefill_logits(self.weights, self.tables, self.numerics, ids)
+        if not batch_invariant(self.dtype):
+            return prefill_logits(self.weights, self.tables, self.numerics, ids)
+        st, logits = self.new_state(), []
+        for p in range(0, len(ids), SCORE_CHUNK):
+            chunk = ids[p:p + SCORE_CHUNK]
+            logits.append(self.step_rows([st] * len(chunk), chunk, p + np.arange(len(chunk))))
+        return np.concatenate(logits)
 
     def decode_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """The same logits as score(), fed one token at a time through a SeqState."""

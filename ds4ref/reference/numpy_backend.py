@@ -2,12 +2,13 @@
 
 Storage follows ds4ref.paging.layout: compressed and indexer rows live in a
 shared pool of pages addressed through per-slot block tables; the raw window
-rings and compressor state are per slot. In official float32 numerics the KV
-and indexer rows (rings and pages) are held in the compact lossless format of
-ds4ref.paging.compact, encoded when written and decoded when read. Each row of
-a pass runs the very same `Model.step` as the unpaged reference, through a view
-that reads history in logical order, so a slot's results are bitwise those of
-running it alone.
+rings and compressor state are per slot. In official float32 numerics the KV and
+indexer rows (rings and pages) are held in the compact lossless format of
+ds4ref.paging.compact, encoded when written and decoded when read. A pass runs all
+its rows through `Model.step_rows`, the very computation of the unpaged reference
+(one token is the pass of one row), through views that read history in logical
+order; every product is batch-invariant and every state update runs row by row in
+plan order, so a slot's results are bitwise those of running it alone, one row a pass.
 """
 from __future__ import annotations
 
@@ -16,37 +17,9 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
-from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
-                              index_row_bytes, kv_row_bytes)
+from ..paging.compact import decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows
 from ..paging.layout import PageLayout, kv_storage
-from .state import ATTN, INDEX, make_compressors
-
-
-class CompactRing:
-    """One layer's raw window ring of compact KV rows, read and written as float32 rows.
-
-    decode.py indexes the ring as an array (`ring.shape[0]`, `ring[i] = row`,
-    `ring[positions]`); this gives it that interface over the stored bytes, so the
-    reference's code runs unchanged whatever the storage.
-    """
-
-    def __init__(self, codes: np.ndarray, head_dim: int, n_rot: int) -> None:
-        self.codes, self.head_dim, self.n_rot = codes, head_dim, n_rot
-        self.shape = (codes.shape[0], head_dim)
-        self.dtype = np.dtype(np.float32)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, idx) -> np.ndarray:
-        return decode_kv_rows(self.codes[idx], self.head_dim, self.n_rot)
-
-    def __setitem__(self, idx, rows) -> None:
-        self.codes[idx] = encode_kv_rows(np.asarray(rows, np.float32), self.n_rot)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        rows = self[:]
-        return rows if dtype is None else rows.astype(dtype)
+from .state import ATTN, INDEX, make_compressors, raw_window
 
 
 class PagedSeqView:
@@ -55,11 +28,13 @@ class PagedSeqView:
     def __init__(self, backend: "NumpyBackend", slot: int) -> None:
         self.b, self.slot = backend, slot
 
-    def raw_ring(self, il: int):
+    def put_raw(self, il: int, pos: int, row: np.ndarray) -> None:
         ring = self.b.rings[self.slot, il]
-        if self.b.storage != "compact":
-            return ring
-        return CompactRing(ring, self.b.cfg.head_dim, self.b.cfg.n_rot)
+        ring[pos % ring.shape[0]] = self.b.encode(ATTN, row)
+
+    def raw_rows(self, il: int, pos: int) -> np.ndarray:
+        """Raw KV rows of positions max(0, pos-W+1) .. pos, oldest first (a fresh array)."""
+        return self.b.decode(ATTN, raw_window(self.b.rings[self.slot, il], pos))
 
     def compressor(self, il: int, kind: str):
         return self.b.comps[self.slot][(il, kind)]
@@ -150,15 +125,17 @@ class NumpyBackend:
     def step(self, plan: StepPlan) -> StepResult:
         rows = plan.rows()
         self._check_rows(rows)  # all before any, so a bad plan changes no state
-        logits: list[np.ndarray | None] = []
-        argmax = np.full(len(rows), -1, np.int32)
-        for i, r in enumerate(rows):
-            out = self.model.step(PagedSeqView(self, r.slot), r.token, r.position, want_logits=r.emit)
+        emit = np.array([r.emit for r in rows], bool)
+        views = {r.slot: PagedSeqView(self, r.slot) for r in rows}  # one per slot: a slot's rows share it
+        out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
+                                   [r.position for r in rows], emit)
+        for r in rows:
             self.next_pos[r.slot] += 1
-            if r.emit:
-                argmax[i] = int(np.argmax(out))
-            logits.append(out if r.want_logits else None)
-        return StepResult(logits, argmax)
+        argmax = np.full(len(rows), -1, np.int32)
+        argmax[emit] = np.argmax(out, axis=-1)
+        emitted = iter(out)
+        logits = [next(emitted) if r.emit else None for r in rows]
+        return StepResult([lg if r.want_logits else None for lg, r in zip(logits, rows)], argmax)
 
     # ---- checks ----------------------------------------------------------------
     def _zero_pages(self, pages: np.ndarray) -> None:

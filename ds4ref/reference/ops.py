@@ -24,6 +24,13 @@ def _canonical(x: np.ndarray) -> bool:
     return np.asarray(x).dtype == np.float32
 
 
+def batch_invariant(x) -> bool:
+    """Does every row of a batched op get the bits it gets alone? The canonical float32
+    arithmetic does by construction (every output's order is fixed); float64 is plain NumPy,
+    whose BLAS products choose their kernels, and so their sums, by shape."""
+    return (x.dtype if isinstance(x, np.ndarray) else np.dtype(x)) == np.float32
+
+
 def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     """x @ w.T (split=False for routed experts; see canon.linear)."""
     if _canonical(x):
@@ -271,6 +278,14 @@ def _attention_canonical(q, keys, sinks, mask):
                      for i in range(q.shape[0])])
 
 
+def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
+    """q (R, H, D); keys[r] a list of arrays whose concatenation is row r's visible K=V rows
+    in their fixed order -> (R, H, D)."""
+    if _canonical(q):
+        return canon.attention_rows(q, keys, sinks)
+    return np.stack([attention_with_sinks(q[r], np.concatenate(keys[r]), sinks) for r in range(q.shape[0])])
+
+
 def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
     """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a."""
     n = o.shape[0]
@@ -311,6 +326,17 @@ def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndar
     return np.maximum(dots, 0) @ wts
 
 
+def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """Rows the indexer keeps for each of m queries (qi (m, Hi, Di), wts (m, Hi)): the k best of
+    the first counts[r] (> k) keys, ties to the lower index, ascending -> (m, k)."""
+    if _canonical(qi):
+        # NaN past counts[r] sorts after every real score (NaN included, ties by index), so
+        # each row's first k are those of its own first counts[r] scores
+        return topk_rows(canon.indexer_scores_rows(qi, wts, keys, counts), k)
+    return np.stack([topk_lower_index(indexer_scores(qi[r], wts[r], keys[:counts[r]]), k)
+                     for r in range(qi.shape[0])])
+
+
 def topk_lower_index(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k highest scores, ties broken by the lower index, returned ascending."""
     n = scores.shape[-1]
@@ -330,21 +356,42 @@ def route(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np
     """Router for one token: sqrt-softplus scores, selection (bias only for choosing,
     or the token's hash ids), normalised and scaled weights. Returns (ids, weights),
     ids ascending so the expert sum has one fixed order."""
+    ids, w = route_rows(logits[None], n_used, bias, None if hash_ids is None else np.asarray(hash_ids)[None],
+                        scale, normalise)
+    return ids[0], w[0]
+
+
+def route_rows(logits: np.ndarray, n_used: int, bias: np.ndarray | None, hash_ids: np.ndarray | None,
+               scale: float, normalise: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`route` for R tokens at once: logits (R, E), hash_ids (R, n_used) or None ->
+    ids, weights (R, n_used), each row exactly as routed alone."""
     s = np.sqrt(softplus(logits))
     if hash_ids is not None:
-        ids = np.sort(np.asarray(hash_ids, dtype=np.int64))
+        ids = np.sort(np.asarray(hash_ids, dtype=np.int64), axis=-1)
     else:
-        ids = topk_lower_index(s + bias, n_used)
-    w = s[ids]
+        ids = topk_rows(s + bias, n_used)
+    w = np.take_along_axis(s, ids, axis=-1)
     if normalise:
-        w = w / (canon.seqsum(w[i] for i in range(w.size)) if _canonical(w) else np.sum(w))
+        w = w / (canon.seqsum(w[:, i:i + 1] for i in range(w.shape[1])) if _canonical(w)
+                 else np.sum(w, axis=-1, keepdims=True))
     return ids, w * s.dtype.type(scale)
+
+
+def topk_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """topk_lower_index of every row of scores (R, n): (R, min(k, n)), ascending per row."""
+    r, n = scores.shape
+    if k >= n:
+        return np.broadcast_to(np.arange(n), (r, n)).copy()
+    order = np.argsort(-scores, axis=-1, kind="stable")  # score desc; a stable sort keeps ties by index
+    return np.sort(order[:, :k], axis=-1)
 
 
 def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
            split: bool = True) -> np.ndarray:
     """Clamped SwiGLU expert: gate <= clamp, up in [-clamp, clamp]. split=False for routed
     experts (see canon.linear)."""
+    if _canonical(x):
+        return canon.swiglu(x, w1, w3, w2, clamp, split)
     g = np.minimum(linear(x, w1, split), clamp)
     v = np.clip(linear(x, w3, split), -clamp, clamp)
     return linear(silu(g) * v, w2, split)

@@ -4,9 +4,10 @@ What persists between tokens, per layer:
   raw window       ring of `sliding_window` KV rows, row for position p at p % window
   compressor       partial window (and, for ratio 4, the previous window's lane A)
   compressed rows  append-only; ratio-4 layers also keep indexer rows
-The decode step reads and writes state only through the methods below, so the
-unpaged SeqState here and the paged view in numpy_backend.py run the very same
-code and give bitwise-identical results.
+The decode step reads and writes state only through the methods below (put_raw /
+raw_rows, compressor, put_row / get_rows), so the unpaged SeqState here and the
+paged view in numpy_backend.py run the very same code and give bitwise-identical
+results, whatever either stores underneath.
 """
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ def make_compressors(cfg: DS4Config, dtype) -> dict[tuple[int, str], CompressorS
     return comps
 
 
+def raw_window(ring: np.ndarray, pos: int) -> np.ndarray:
+    """Rows of positions max(0, pos-W+1) .. pos of a ring of W rows, oldest first (fresh copy)."""
+    w = ring.shape[0]
+    if pos < w:
+        return ring[:pos + 1].copy()
+    cut = (pos + 1) % w  # the oldest row
+    return np.concatenate([ring[cut:], ring[:cut]])
+
+
 class SeqState:
     """Unpaged decode state of one sequence: compressed rows in growable arrays."""
 
@@ -63,8 +73,13 @@ class SeqState:
         self._count: dict[tuple[int, str], int] = {}
         self.position = 0  # next position to feed
 
-    def raw_ring(self, il: int) -> np.ndarray:
-        return self.rings[il]
+    def put_raw(self, il: int, pos: int, row: np.ndarray) -> None:
+        """Store the KV row of position `pos` in layer il's raw window."""
+        self.rings[il, pos % self.rings.shape[1]] = row
+
+    def raw_rows(self, il: int, pos: int) -> np.ndarray:
+        """Raw KV rows of positions max(0, pos-W+1) .. pos, oldest first (a fresh array)."""
+        return raw_window(self.rings[il], pos)
 
     def compressor(self, il: int, kind: str) -> CompressorState:
         return self.comps[(il, kind)]
