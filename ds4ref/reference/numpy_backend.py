@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
-from ..paging.compact import decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows
+from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
+                              index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
 from .state import ATTN, INDEX, make_compressors, raw_window
 
