@@ -140,6 +140,20 @@ class _Opener:
         except QuantError as exc:
             raise ConvertError(str(exc)) from None
 
+    def load_rows(self, t: SourceTensor, r0: int, r1: int) -> np.ndarray:
+        """float32 rows r0..r1 of a 2-D float or FP8 weight (r0 a multiple of 128), read through
+        a memory map made for this call, so neither the values nor the file's pages outlive it."""
+        if t.dtype == FP8_DTYPE:
+            scale = decode_scales(self._scales(t)[r0 // 128: -(-r1 // 128)], t.scale.dtype)
+            try:
+                return dequantise_fp8(np.asarray(self.raw(t, np.uint8)[r0:r1]), scale, t.name)
+            except QuantError as exc:
+                raise ConvertError(str(exc)) from None
+        raw = np.asarray(self.raw(t, _ROW_DTYPES[t.dtype])[r0:r1])
+        if t.dtype == "BF16":  # the top half of a float32: widening is exact
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(np.float32)
+
     def load(self, t: SourceTensor) -> np.ndarray:
         from safetensors import safe_open  # present: main() checked
 
@@ -162,12 +176,26 @@ class _Opener:
         return np.asarray(x)
 
 
-class Lazy:
-    """A tensor write_gguf can take: `.shape` now, values via np.asarray when written."""
+_ROW_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
 
-    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+
+class Lazy:
+    """A tensor write_gguf can take: `.shape` now, values via np.asarray when written. With
+    `load_rows(r0, r1)`, write_gguf converts a large 2-D tensor a block of rows at a time
+    (`row_chunks`), so the embedding and the output head (129280 rows) never sit in memory
+    whole: memory stays bounded whatever the checkpoint's size."""
+
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray],
+                 load_rows: Callable[[int, int], np.ndarray] | None = None):
         self.shape = tuple(shape)
         self._load = load
+        self._load_rows = load_rows
+
+    def row_chunks(self, rows: int):
+        """None, or a generator of float32 row blocks covering the tensor in order."""
+        if self._load_rows is None or len(self.shape) != 2:
+            return None
+        return (self._load_rows(r0, min(r0 + rows, self.shape[0])) for r0 in range(0, self.shape[0], rows))
 
     def __array__(self, dtype=None, copy=None):
         arr = self._load()
@@ -350,7 +378,9 @@ def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy
         else:
             if t.dtype not in FLOAT_DTYPES | {FP8_DTYPE} and not t.is_fp4:
                 raise ConvertError(f"tensor {t.name!r} must hold floats, found {t.dtype}")
-            out[name] = Lazy(shapes[name], lambda t=t: opener.load(t))
+            rows = ((lambda r0, r1, t=t: opener.load_rows(t, r0, r1))
+                    if len(t.shape) == 2 and (t.dtype in _ROW_DTYPES or t.dtype == FP8_DTYPE) else None)
+            out[name] = Lazy(shapes[name], lambda t=t: opener.load(t), rows)
     ff, d = cfg.expert_ff, cfg.n_embd
     for il, t in plan.fused_gate_up.items():
         _expect(t, (cfg.n_expert, 2 * ff, d), f"layer {il} gate_up_proj")
@@ -481,13 +511,21 @@ def _with_progress(tensors: dict) -> dict:
     bar = progress(desc="converting", total=len(tensors), unit="tensor")
 
     def ticking(lazy):
-        inner = lazy._load
+        inner, inner_rows = lazy._load, getattr(lazy, "_load_rows", None)
 
         def load():
             arr = inner()
             bar.update(1)
             return arr
+
+        def load_rows(r0, r1):
+            arr = inner_rows(r0, r1)
+            if r1 == lazy.shape[0]:
+                bar.update(1)
+            return arr
         lazy._load = load
+        if inner_rows is not None:
+            lazy._load_rows = load_rows
         return lazy
     return {name: ticking(t) for name, t in tensors.items()}
 

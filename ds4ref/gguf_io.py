@@ -523,12 +523,47 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name in order:
+            dtype = dtypes.get(name, default_dtype)
+            chunks = _row_chunks(tensors[name])
+            if chunks is not None:  # a block of rows at a time: quant blocks never span rows
+                _write_rows(writer, (encode_tensor(name, rows, dtype)[0] for rows in chunks))
+                continue
             value = _materialise(tensors[name])
-            payload, _ = encode_tensor(name, value, dtypes.get(name, default_dtype))
+            payload, _ = encode_tensor(name, value, dtype)
             writer.write_tensor_data(payload)
             del payload, value  # one tensor in memory at a time
     finally:
         writer.close()
+
+
+ROW_CHUNK = 4096  # rows converted at a time for large lazy tensors (a multiple of FP8's 128)
+ROW_CHUNK_MIN_BYTES = 256 << 20
+
+
+def _row_chunks(value: Any):
+    """Row blocks of a lazy 2-D tensor too big to convert whole (`row_chunks` of the
+    converter's Lazy), else None."""
+    if not hasattr(value, "row_chunks") or 4 * math.prod(value.shape) < ROW_CHUNK_MIN_BYTES:
+        return None
+    return value.row_chunks(ROW_CHUNK)
+
+
+def _write_rows(writer, payloads) -> None:
+    """writer.write_tensor_data for one tensor given as consecutive byte blocks. gguf's writer
+    takes one array per tensor; this is its body with the array written in parts (every part
+    of ROW_CHUNK rows is a whole number of alignment units, so nothing pads between them)."""
+    file_id = next(i for i, infos in enumerate(writer.tensors) if infos)
+    fout = writer.fout[file_id]
+    info = writer.tensors[file_id].pop(next(iter(writer.tensors[file_id])))
+    writer.write_padding(fout, fout.tell())
+    written = 0
+    for part in payloads:
+        np.ascontiguousarray(part).tofile(fout)
+        written += part.nbytes
+    if written != info.nbytes:
+        raise GGUFError(f"tensor data of {written} bytes written in parts, its header says {info.nbytes}")
+    writer.write_padding(fout, written)
+    writer.state = gguf.gguf_writer.WriterState.WEIGHTS
 
 
 def _materialise(value: Any) -> "StoredBlocks | np.ndarray":

@@ -146,3 +146,24 @@ def test_fp4_to_mxfp4_is_lossless(seed, rows, groups):
     scale = rng.integers(0, 253, (rows, groups), dtype=np.uint8)
     got = gguf.quants.dequantize(fp4_to_mxfp4(packed, scale, "t"), Q.MXFP4)
     assert np.array_equal(got.astype(np.float64), fp4_oracle(packed, scale))
+
+
+def test_row_chunked_conversion_writes_the_same_file(converted, tmp_path, monkeypatch):
+    """Large 2-D tensors are converted a block of rows at a time (bounded memory); the file is
+    byte for byte the one whole-tensor conversion writes. Chunks of 128 rows and no size
+    threshold make every 2-D float and FP8 tensor of the small checkpoint go that way."""
+    from ds4ref import gguf_io
+    _, _, d = converted
+    whole = tmp_path / "whole.gguf"
+    monkeypatch.setattr(gguf_io, "ROW_CHUNK_MIN_BYTES", 1 << 62)
+    convert(d / "ck", whole, "q8_0")
+    monkeypatch.setattr(gguf_io, "ROW_CHUNK_MIN_BYTES", 0)
+    monkeypatch.setattr(gguf_io, "ROW_CHUNK", 128)
+    written = []
+    write_rows = gguf_io._write_rows
+    monkeypatch.setattr(gguf_io, "_write_rows", lambda w, parts: write_rows(w, (written.append(p.nbytes) or p
+                                                                               for p in parts)))
+    parts = tmp_path / "parts.gguf"
+    convert(d / "ck", parts, "q8_0")
+    assert len(written) > 2 * CFG.n_layer  # FP8 and f32 matrices went in parts, some in several
+    assert whole.read_bytes() == parts.read_bytes()
