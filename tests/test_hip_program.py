@@ -120,3 +120,13 @@ def test_compact_state_is_what_the_rows_need(rt):
     assert paged == 10 * (n4 * per4 * (st.row_bytes[ATTN] + st.row_bytes[INDEX]) + n128 * per128 * st.row_bytes[ATTN])
     assert st.rings.nbytes == 3 * cfg.n_layer * cfg.sliding_window * st.row_bytes[ATTN]
     assert DeviceState.bytes_needed(cfg, 3, 10, 128, compact=True) < DeviceState.bytes_needed(cfg, 3, 10, 128)
+
+
+def test_hash_route_naming_an_expert_twice_is_refused(rt):
+    from ds4ref.hip.guards import UnsupportedWeightError
+    dw = DeviceWeights(rt, tiny_config())
+    table = np.tile(np.arange(6, dtype=np.int32), (10, 1))
+    dw._put_vec("blk.0.ffn_gate_tid2eid.weight", table)  # distinct per token: taken
+    table[7, 4] = table[7, 1]
+    with pytest.raises(UnsupportedWeightError, match="token 7 routes to expert 1 twice"):
+        dw._put_vec("blk.1.ffn_gate_tid2eid.weight", table)

@@ -14,6 +14,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from ..backend import MAX_ROWS
 from ..config import DS4Config
 from ..paging.layout import PageLayout
@@ -65,6 +67,19 @@ def check_weight_types(weight_types: Mapping[str, str]) -> None:
             raise UnsupportedWeightError(
                 f"tensor {name!r} is {wtype}; the GPU kernels read {', '.join(SUPPORTED_WEIGHT_TYPES)} "
                 f"(convert it, or use the NumPy backend)")
+
+
+def check_hash_routes(name: str, tid2eid) -> None:
+    """The expert kernels list each expert once per lane (step_expert_list): a hash route
+    naming one expert twice for a token would lose that choice's output. Published tables
+    are permutations; refuse any other."""
+    ids = np.sort(np.asarray(tid2eid), axis=1)
+    bad = np.flatnonzero((ids[:, 1:] == ids[:, :-1]).any(axis=1))
+    if bad.size:
+        raise UnsupportedWeightError(f"tensor {name!r}: token {int(bad[0])} routes to expert "
+                                     f"{int(ids[bad[0]][np.flatnonzero(ids[bad[0], 1:] == ids[bad[0], :-1])[0]])} "
+                                     f"twice; the GPU expert kernels take distinct experts per token "
+                                     f"(use the NumPy backend)")
 
 
 def tensor_bytes(shape, wtype: str) -> int:
