@@ -21,7 +21,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 from .cli import HelpFormatter
 
 import numpy as np
@@ -208,9 +208,15 @@ class LazyBlocks:
     """Routed experts that are stored as MXFP4 whatever --dtype says (FP4 -> MXFP4 is lossless,
     anything else would round or inflate them): write_gguf calls stored_blocks() when writing."""
 
-    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray],
+                 parts: Callable[[], Iterable[np.ndarray]] | None = None):
         from gguf import GGMLQuantizationType
-        self.shape, self.qtype, self._load = tuple(shape), GGMLQuantizationType.MXFP4, load
+        self.shape, self.qtype, self._load, self._parts = tuple(shape), GGMLQuantizationType.MXFP4, load, parts
+
+    def block_parts(self):
+        """None, or the stored bytes expert by expert (write_gguf writes them in turn: the
+        stack of 256 experts is never built)."""
+        return None if self._parts is None else self._parts()
 
     def stored_blocks(self):
         from .gguf_io import StoredBlocks
@@ -396,7 +402,8 @@ def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy
             _expect(t, shape[1:], f"{name} expert {e}")
         srcs = [per[e] for e in range(cfg.n_expert)]
         if all(t.is_fp4 for t in srcs):  # official FP4 experts: MXFP4, bit for bit
-            out[name] = LazyBlocks(shape, lambda srcs=srcs: np.stack([opener.mxfp4(t) for t in srcs]))
+            out[name] = LazyBlocks(shape, lambda srcs=srcs: np.stack([opener.mxfp4(t) for t in srcs]),
+                                   lambda srcs=srcs: (opener.mxfp4(t) for t in srcs))
         else:
             out[name] = Lazy(shape, lambda srcs=srcs: np.stack([opener.load(t) for t in srcs]))
     return out
@@ -523,9 +530,15 @@ def _with_progress(tensors: dict) -> dict:
             if r1 == lazy.shape[0]:
                 bar.update(1)
             return arr
+        def parts():
+            yield from inner_parts()
+            bar.update(1)
         lazy._load = load
         if inner_rows is not None:
             lazy._load_rows = load_rows
+        inner_parts = getattr(lazy, "_parts", None)
+        if inner_parts is not None:
+            lazy._parts = parts
         return lazy
     return {name: ticking(t) for name, t in tensors.items()}
 

@@ -524,9 +524,12 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         writer.write_ti_data_to_file()
         for name in order:
             dtype = dtypes.get(name, default_dtype)
-            chunks = _row_chunks(tensors[name])
-            if chunks is not None:  # a block of rows at a time: quant blocks never span rows
-                _write_rows(writer, (encode_tensor(name, rows, dtype)[0] for rows in chunks))
+            value = tensors[name]
+            chunks = _row_chunks(value)
+            if chunks is not None:  # a part at a time: quant blocks never span rows or experts
+                encoded = chunks if hasattr(value, "block_parts") else \
+                    (encode_tensor(name, rows, dtype)[0] for rows in chunks)
+                _write_rows(writer, encoded)
                 continue
             value = _materialise(tensors[name])
             payload, _ = encode_tensor(name, value, dtype)
@@ -541,8 +544,11 @@ ROW_CHUNK_MIN_BYTES = 256 << 20
 
 
 def _row_chunks(value: Any):
-    """Row blocks of a lazy 2-D tensor too big to convert whole (`row_chunks` of the
-    converter's Lazy), else None."""
+    """The parts of a lazy tensor too big to convert whole, in order, else None: float32 row
+    blocks (`row_chunks` of the converter's Lazy) or stored blocks expert by expert
+    (`block_parts` of its LazyBlocks)."""
+    if hasattr(value, "block_parts"):
+        return value.block_parts()
     if not hasattr(value, "row_chunks") or 4 * math.prod(value.shape) < ROW_CHUNK_MIN_BYTES:
         return None
     return value.row_chunks(ROW_CHUNK)
@@ -550,8 +556,8 @@ def _row_chunks(value: Any):
 
 def _write_rows(writer, payloads) -> None:
     """writer.write_tensor_data for one tensor given as consecutive byte blocks. gguf's writer
-    takes one array per tensor; this is its body with the array written in parts (every part
-    of ROW_CHUNK rows is a whole number of alignment units, so nothing pads between them)."""
+    takes one array per tensor; this is its body with the array written in parts, back to
+    back (the alignment padding goes before the first part and after the last, as for one)."""
     file_id = next(i for i, infos in enumerate(writer.tensors) if infos)
     fout = writer.fout[file_id]
     info = writer.tensors[file_id].pop(next(iter(writer.tensors[file_id])))
