@@ -250,13 +250,18 @@ def hc_pre_composed(streams, fn, base, scale, rms_eps, hc_eps, iters):
     return u, post, comb
 
 
+def hc_inputs(seed: int, hc: int, width: int, fn_scale: float, base_scale: float):
+    """streams (3, hc, width), fn, base and scale of one hc_pre call."""
+    rng = np.random.default_rng(seed)
+    mix = 2 * hc + hc * hc
+    s, fn = rnd(rng, 3, hc, width), rnd(rng, mix, hc * width, scale=fn_scale)
+    return s, fn, rnd(rng, mix, scale=base_scale), np.abs(rnd(rng, 3)) + 0.5
+
+
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31 - 1), hc=st.sampled_from([2, 4]), iters=st.integers(1, 20))
 def test_fused_hc_pre_is_the_composition(seed, hc, iters):
-    rng = np.random.default_rng(seed)
-    mix = 2 * hc + hc * hc
-    s, fn = rnd(rng, 3, hc, 96), rnd(rng, mix, hc * 96, scale=0.5)
-    base, scale = rnd(rng, mix, scale=2), np.abs(rnd(rng, 3)) + 0.5
+    s, fn, base, scale = hc_inputs(seed, hc, 96, 0.5, 2)
     s[1, 0, 0] = np.nan
     with np.errstate(invalid="ignore"):
         got = canon.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters)
@@ -313,10 +318,7 @@ def test_canonical_ops_close_to_float64(seed):
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31 - 1), hc=st.sampled_from([2, 4]), iters=st.integers(1, 20))
 def test_hc_pre_close_to_float64(seed, hc, iters):
-    rng = np.random.default_rng(seed)
-    mix = 2 * hc + hc * hc
-    s, fn = rnd(rng, 3, hc, 512), rnd(rng, mix, hc * 512, scale=0.05)
-    base, scale = rnd(rng, mix, scale=0.5), np.abs(rnd(rng, 3)) + 0.5
+    s, fn, base, scale = hc_inputs(seed, hc, 512, 0.05, 0.5)
     lo = ref.hc_pre(s, fn, base, scale, 1e-6, 1e-6, iters)
     hi = ref.hc_pre(s.astype(F64), fn.astype(F64), base.astype(F64), scale.astype(F64), 1e-6, 1e-6, iters)
     for a, b in zip(lo, hi):
