@@ -524,12 +524,9 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
         writer.write_ti_data_to_file()
         for name in order:
             dtype = dtypes.get(name, default_dtype)
-            value = tensors[name]
-            chunks = _row_chunks(value)
-            if chunks is not None:  # a part at a time: quant blocks never span rows or experts
-                encoded = chunks if hasattr(value, "block_parts") else \
-                    (encode_tensor(name, rows, dtype)[0] for rows in chunks)
-                _write_rows(writer, encoded)
+            parts = _stored_parts(name, tensors[name], dtype)
+            if parts is not None:  # a part at a time: quant blocks never span rows or experts
+                _write_rows(writer, parts)
                 continue
             value = _materialise(tensors[name])
             payload, _ = encode_tensor(name, value, dtype)
@@ -543,15 +540,16 @@ ROW_CHUNK = 4096  # rows converted at a time for large lazy tensors (a multiple 
 ROW_CHUNK_MIN_BYTES = 256 << 20
 
 
-def _row_chunks(value: Any):
-    """The parts of a lazy tensor too big to convert whole, in order, else None: float32 row
-    blocks (`row_chunks` of the converter's Lazy) or stored blocks expert by expert
-    (`block_parts` of its LazyBlocks)."""
+def _stored_parts(name: str, value: Any, dtype: str):
+    """The stored bytes of a lazy tensor too big to convert whole, in order, else None:
+    stored blocks expert by expert (`block_parts` of the converter's LazyBlocks), or float32
+    row blocks (`row_chunks` of its Lazy) encoded one at a time."""
     if hasattr(value, "block_parts"):
         return value.block_parts()
     if not hasattr(value, "row_chunks") or 4 * math.prod(value.shape) < ROW_CHUNK_MIN_BYTES:
         return None
-    return value.row_chunks(ROW_CHUNK)
+    rows = value.row_chunks(ROW_CHUNK)
+    return None if rows is None else (encode_tensor(name, block, dtype)[0] for block in rows)
 
 
 def _write_rows(writer, payloads) -> None:

@@ -69,8 +69,11 @@ class RecordingRuntime:
 
 @pytest.fixture
 def rt(monkeypatch):
-    monkeypatch.setattr(K, "view", lambda buf, off, n: (Buf(n), None)[0] if off + n <= buf.nbytes else
-                        pytest.fail(f"view [{off}, {off + n}) past a buffer of {buf.nbytes} bytes"))
+    def view(buf, off, n):
+        if off + n > buf.nbytes:
+            pytest.fail(f"view [{off}, {off + n}) past a buffer of {buf.nbytes} bytes")
+        return Buf(n)
+    monkeypatch.setattr(K, "view", view)
     return RecordingRuntime()
 
 

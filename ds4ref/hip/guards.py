@@ -74,12 +74,13 @@ def check_hash_routes(name: str, tid2eid) -> None:
     naming one expert twice for a token would lose that choice's output. Published tables
     are permutations; refuse any other."""
     ids = np.sort(np.asarray(tid2eid), axis=1)
-    bad = np.flatnonzero((ids[:, 1:] == ids[:, :-1]).any(axis=1))
-    if bad.size:
-        raise UnsupportedWeightError(f"tensor {name!r}: token {int(bad[0])} routes to expert "
-                                     f"{int(ids[bad[0]][np.flatnonzero(ids[bad[0], 1:] == ids[bad[0], :-1])[0]])} "
-                                     f"twice; the GPU expert kernels take distinct experts per token "
-                                     f"(use the NumPy backend)")
+    repeated = ids[:, 1:] == ids[:, :-1]
+    tokens = np.flatnonzero(repeated.any(axis=1))
+    if tokens.size:
+        tok = int(tokens[0])
+        expert = int(ids[tok, 1:][repeated[tok]][0])
+        raise UnsupportedWeightError(f"tensor {name!r}: token {tok} routes to expert {expert} twice; the GPU "
+                                     f"expert kernels take distinct experts per token (use the NumPy backend)")
 
 
 def tensor_bytes(shape, wtype: str) -> int:
