@@ -116,7 +116,7 @@ def bench_case(backend, cfg, C: int, ctx: int, reps: int) -> tuple[float, float]
     for _ in range(reps):
         e0, e1 = rt.event(), rt.event()
         rt.record(e0)
-        rt.replay(backend._graph)
+        rt.replay(backend._graphs[backend.bucket(C)])
         rt.record(e1)
         gpu.append(rt.elapsed_ms(e0, e1))
     return float(np.median(gpu)), 1e3 * float(np.median(steps[1:]))
@@ -131,15 +131,16 @@ def kernel_names(rt) -> dict:
     return names
 
 
-def profile(backend, top: int = 18) -> list[str]:
-    """GPU time per kernel of one pass: the recorded launches run eagerly between events.
+def profile(backend, top: int = 18, L: int = 16) -> list[str]:
+    """GPU time per kernel of one pass of the L-lane bucket (its graph captured, its lanes set by
+    the last step): the recorded launches run eagerly between events.
     A few graph replays are queued first so the GPU is still busy while the host enqueues
     (otherwise launch gaps would be timed as kernel time)."""
-    rt, ops = backend.rt, backend.program.ops
+    rt, ops = backend.rt, backend.programs[L].ops
     names = kernel_names(rt)
     evs = [rt.event() for _ in range(len(ops) + 1)]
     for _ in range(6):
-        rt.replay(backend._graph)
+        rt.replay(backend._graphs[L])
     for ev, (kernel, grid, block, args, shared) in zip(evs, ops):
         rt.record(ev)
         rt.launch(kernel, grid, block, args, shared)
@@ -167,6 +168,26 @@ def transformers_note() -> str:
         return f"transformers' eager DeepseekV4 not importable here: {type(exc).__name__}: {str(exc)[:120]}"
 
 
+def make_model(full: bool, experts: int = 256):
+    """(runtime, config, device weights, model stand-in, description): the 8-layer bf16 model
+    or, with full, Flash in the q2 policy; random weights made on the device."""
+    from ds4ref.hip.device_weights import DeviceWeights
+    from ds4ref.hip.guards import open_device
+    t0 = time.time()
+    rt = open_device()
+    if full:
+        cfg = flash_config(43, 256, 1048576)
+        dw = DeviceWeights.random_policy(rt, cfg, "q2")
+        what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
+    else:
+        cfg = flash_config(8, experts)
+        dw = DeviceWeights.random_flash(rt, cfg)
+        what = f"Flash-shaped 8-layer model, every matrix bf16, {cfg.n_expert} experts top-6"
+    model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
+    print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
+    return rt, cfg, dw, model, what
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf_decode_gpu.md")
@@ -178,20 +199,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows as JSON (for docs/ plots)")
     args = ap.parse_args()
     from ds4ref.hip.backend import HipBackend
-    from ds4ref.hip.device_weights import DeviceWeights
-    from ds4ref.hip.guards import open_device
     t0 = time.time()
-    rt = open_device()
-    if args.full:
-        cfg = flash_config(43, 256, 1048576)
-        dw = DeviceWeights.random_policy(rt, cfg, "q2")
-        what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
-    else:
-        cfg = flash_config(8, args.experts)
-        dw = DeviceWeights.random_flash(rt, cfg)
-        what = f"Flash-shaped 8-layer model, every matrix bf16, {cfg.n_expert} experts top-6"
-    model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
-    print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
+    rt, cfg, dw, model, what = make_model(args.full, args.experts)
     bw = copy_bandwidth(rt)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     backend = HipBackend(model, runtime=rt, device_weights=dw)

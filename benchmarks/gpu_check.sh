@@ -4,12 +4,12 @@
 # (the wheels of benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh; the
 # tiny policy files this machine's test run wrote, copied from $DS4REF_GOLDEN_CACHE):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of build,ops,backend,golden,serve,decode,hf,full (default: all). Logs and
-# tables land under $OUT, which the device tool brings back.
+# STAGES picks any of build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill (default:
+# all). Logs and tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
-STAGES=${STAGES:-build,ops,backend,golden,serve,decode,hf,full}
+STAGES=${STAGES:-build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DS4REF_GPU_RUNTIME=${DS4REF_GPU_RUNTIME:-cuda}
 export PYTHONPATH=$PWD
@@ -22,7 +22,7 @@ fi
 # bytes than the goldens record: carry the ones made here as .golden_cache (tests/golden/make_golden.py)
 [[ -d .golden_cache ]] && export DS4REF_GOLDEN_CACHE=$PWD/.golden_cache
 WORKERS=${WORKERS:-14}            # pytest-xdist workers: the NumPy side of the cross-backend property
-export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12}
+export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12} DS4REF_HYPOTHESIS_NO_SHRINK=${DS4REF_HYPOTHESIS_NO_SHRINK:-1}
 export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-14} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-15}
 rc=0
 T0=$SECONDS
@@ -76,6 +76,11 @@ if has decode; then
   timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode_gpu.py --out "$OUT/perf_decode_gpu.md" \
     --json "$OUT/perf_decode_gpu.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || rc=1
 fi
+if has prefill; then
+  stage "prompt passes: throughput, TTFT, ITL while a 16k prompt runs (8-layer bf16, 256 experts)"
+  timeout ${PREFILL_TIMEOUT:-240} python3 benchmarks/prefill_gpu.py --out "$OUT/perf_prefill_gpu.md" \
+    --json "$OUT/perf_prefill_gpu.json" ${PREFILL_ARGS:-} 2>&1 | tee "$OUT/prefill.log" || rc=1
+fi
 if has hf; then
   stage "transformers' eager DeepseekV4 on the 8-layer config, side by side"
   timeout ${HF_TIMEOUT:-200} python3 benchmarks/hf_eager_gpu.py --lanes 1,4,8,16 --json "$OUT/hf_eager_gpu.json" 2>&1 \
@@ -85,6 +90,12 @@ if has full; then
   stage "decode benchmark (Flash, 43 layers, q2 policy)"
   timeout ${FULL_TIMEOUT:-240} python3 benchmarks/decode_gpu.py --full --ctx 256,4096,32768 \
     --out "$OUT/perf_full_gpu.md" --json "$OUT/perf_full_gpu.json" ${FULL_ARGS:-} 2>&1 | tee "$OUT/full.log" || rc=1
+fi
+if has fullprefill; then
+  stage "prompt passes on Flash (43 layers, q2 policy): TTFT of a 4k and a 32k prompt"
+  timeout ${FULLPREFILL_TIMEOUT:-420} python3 benchmarks/prefill_gpu.py --full --prompts 4096,32768 --itl-prompt 0 \
+    --out "$OUT/perf_prefill_full_gpu.md" --json "$OUT/perf_prefill_full_gpu.json" ${FULLPREFILL_ARGS:-} 2>&1 \
+    | tee "$OUT/prefill_full.log" || rc=1
 fi
 stage "done rc=$rc"
 exit $rc

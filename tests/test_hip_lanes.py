@@ -49,6 +49,14 @@ def test_lane_fields_values():
     assert nvis128[:4].tolist() == [0, 0, 0, 0]
     assert (f[F["slot"], 4:] == -1).all() and (nvis4[4:] == 0).all()  # padding sees nothing
     assert f[F["flane"], 4:].tolist() == list(range(4, 16))
+    assert f[F["hsrc"], :5].tolist() == [0, 1, 2, 3, -1]  # every row emits (Row's default)
+
+
+def test_head_rows_are_the_emitting_lanes_in_lane_order():
+    rows = [Row(2, 10, 5, False, False), Row(2, 11, 6), Row(0, 3, 9, False, True), Row(1, 0, 4, False, False)]
+    f = lane_fields(rows, ratios=[4], n_lanes=256)
+    assert f.shape == (len(LANE_FIELDS) + 1, 256)
+    assert f[F["hsrc"], :3].tolist() == [1, 2, -1] and (f[F["hsrc"], 2:] == -1).all()
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5)), min_size=1, max_size=4, unique_by=lambda t: t[0]))

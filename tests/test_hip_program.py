@@ -66,6 +66,22 @@ class RecordingRuntime:
     def mem_info(self):
         return (1 << 40, 1 << 40)
 
+    def download(self, buf, shape, dtype):
+        assert int(np.prod(shape)) * np.dtype(dtype).itemsize <= buf.nbytes, "download past the end of a buffer"
+        return np.arange(int(np.prod(shape))).astype(dtype).reshape(shape)  # row e reads e: the order shows
+
+    # graphs: a capture records the launches made while it is open; a replay counts them again
+    def begin_capture(self):
+        self._capture_from = len(self.launches)
+
+    def end_capture(self):  # captured launches do not run: take them back out
+        graph = self.launches[self._capture_from:]
+        del self.launches[self._capture_from:]
+        return graph
+
+    def replay(self, graph):
+        self.launches += graph
+
 
 @pytest.fixture
 def rt(monkeypatch):
@@ -96,15 +112,24 @@ def test_pass_records_with_matching_argument_lists(rt, numerics):
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
     params = kernel_params()
-    ops = backend.program.ops
-    assert len(ops) > 10 * cfg.n_layer
-    checked = set()
-    for (filename, name), _grid, _block, args, _shared in ops:
-        if name in params:  # kernels made from templates by macro are checked by their callers' twins
-            assert len(args) == params[name], f"{name}: {len(args)} arguments, the kernel takes {params[name]}"
-            checked.add(name)
-    assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
-            "ds4_rmsnorm"} <= checked and len(checked) >= 15
+    assert sorted(backend.programs) == [16, 256] and backend.max_rows == 256
+    for L, program in backend.programs.items():
+        ops = program.ops
+        assert len(ops) > 10 * cfg.n_layer
+        checked = set()
+        for (filename, name), _grid, _block, args, _shared in ops:
+            if name in params:  # kernels made from templates by macro are checked by their callers' twins
+                assert len(args) == params[name], f"{L} lanes, {name}: {len(args)} arguments, the kernel takes {params[name]}"
+                checked.add(name)
+        assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
+                "step_gather_rows", "ds4_rmsnorm"} <= checked and len(checked) >= 15
+    # one pass, two capacities: the same kernels in the same order (rows per warp aside), per-lane
+    # grids scaled
+    small, big = backend.programs[16].ops, backend.programs[256].ops
+    family = lambda ops: [(f, re.sub(r"_r\d", "", name)) for (f, name), *_ in ops]  # noqa: E731
+    assert family(small) == family(big)
+    embed = [i for i, op in enumerate(small) if op[0][1] == "step_embed"][0]
+    assert small[embed][1] == (16,) and big[embed][1] == (256,)
     assert backend.compact == (numerics == "official")
 
 
@@ -133,3 +158,37 @@ def test_hash_route_naming_an_expert_twice_is_refused(rt):
     table[7, 4] = table[7, 1]
     with pytest.raises(UnsupportedWeightError, match="token 7 routes to expert 1 twice"):
         dw._put_vec("blk.1.ffn_gate_tid2eid.weight", table)
+
+
+def test_each_pass_runs_the_program_of_its_bucket(rt):
+    """A decode pass replays the 16-lane graph, a prompt pass of 17..256 rows the 256-lane
+    one; each bucket is captured once, and the host reads the head's rows in emit order."""
+    from ds4ref.backend import Row, StepPlan
+    cfg = tiny_config()
+    dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
+    model = types.SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend.configure(4, 64)
+    for s in range(3):
+        backend.reset_slot(s)
+        backend.set_block_table(s, list(range(8 * s, 8 * s + 8)))
+    pos = [0, 0, 0]
+
+    def step(plan_rows):
+        before = len(rt.launches)
+        res = backend.step(StepPlan.from_rows(plan_rows, backend.max_rows))
+        for r in plan_rows:
+            pos[r.slot] += 1
+        return res, rt.launches[before:]
+
+    res, ran = step([Row(0, 0, 5)])
+    assert [k for k, _ in ran] == [op[0] for op in backend.programs[16].ops]
+    prompt = [Row(1, p, 7, False, p == 199) for p in range(200)]
+    res, ran = step([Row(0, pos[0], 3, False)] + prompt + [Row(2, p, 9, p == 39, p == 39) for p in range(40)])
+    assert [k for k, _ in ran] == [op[0] for op in backend.programs[256].ops]
+    assert res.argmax[[0, 200, 240]].tolist() == [0, 1, 2]  # head row e holds the e-th emitting lane
+    assert (res.argmax[1:200] == -1).all() and res.logits[-1] is not None and res.logits[0] is None
+    step([Row(s, pos[s], 1) for s in range(3)])
+    assert backend.capture_count == 2 and backend.replay_count == 3
+    with pytest.raises(ValueError, match="at most 256"):
+        backend.step(StepPlan.from_rows([Row(0, pos[0] + i, 1) for i in range(256)] + [Row(1, pos[1], 1)], 257))

@@ -1,7 +1,12 @@
-"""HipBackend: the whole gathered pass of up to 16 rows on the GPU, as one graph.
+"""HipBackend: the whole gathered pass on the GPU, as one graph per capacity bucket.
 
 Design (docs/hip_backend.md has the long form):
-* Lanes. A pass is always 16 lanes; padding lanes carry slot -1. The host writes
+* Buckets. A pass runs in the smallest capacity bucket that holds its rows: 16 lanes
+  (decode, the 16-lane gathered pass) or PREFILL_ROWS lanes (a prompt pass, chunked
+  prefill). Each bucket is its own recorded program and captured graph over the same
+  state and workspace; a lane's arithmetic does not depend on the bucket, so a prompt
+  fed 256 rows a pass gives the bits of one row a pass.
+* Lanes. A pass is always a bucket's lanes; padding lanes carry slot -1. The host writes
   per-lane ints (slot, position, token, where the slot's rows start and end in the
   pass, visible compressed rows per ratio) into one fixed device buffer before
   every replay; block tables live in a fixed device buffer too. Nothing else
@@ -16,7 +21,10 @@ Design (docs/hip_backend.md has the long form):
   would give, without splitting the pass. Rows are reordered so that a slot's
   rows sit on consecutive lanes.
 * Weights are read once per pass for all lanes (batched matvec; routed experts
-  read once for all lanes that chose them).
+  read once for all lanes that chose them). Past 16 lanes the matvecs run in lane
+  groups of 16 whose blocks share each weight tile through L2.
+* The head (hc head, norm, lm head, argmax) runs only on the rows that emit, gathered
+  to the front: intermediate prompt rows skip the largest single weight read.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import os
 
 import numpy as np
 
-from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
 from ..reference import canon
 from ..reference.state import ATTN, INDEX
 from . import ops as K
@@ -34,9 +42,10 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 
 I32, F32, F64 = np.int32, np.float32, np.float64
-L = MAX_ROWS
-# rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16); DS4REF_EXPERT_RPW overrides
+# rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
+# prompt pass (whose entries carry more lanes: more rows per block stage their inputs less often)
 EXPERT_RPW = int(os.environ.get("DS4REF_EXPERT_RPW", "2"))
+PREFILL_EXPERT_RPW = int(os.environ.get("DS4REF_PREFILL_EXPERT_RPW", "4"))
 
 
 def _blocks(n: int, per: int) -> int:
@@ -44,11 +53,11 @@ def _blocks(n: int, per: int) -> int:
 
 
 class Recorder:
-    """Stands in for the runtime while the pass is built: launches are recorded,
-    not run, so the same list runs eagerly or is captured into a graph."""
+    """Stands in for the runtime while the pass of one bucket (L lanes) is built: launches
+    are recorded, not run, so the same list runs eagerly or is captured into a graph."""
 
-    def __init__(self, rt):
-        self.rt, self.ops, self.info = rt, [], rt.info
+    def __init__(self, rt, L: int = MAX_ROWS):
+        self.rt, self.ops, self.info, self.L = rt, [], rt.info, L
 
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         self.ops.append((kernel, tuple(grid), tuple(block), tuple(args), shared))
@@ -65,11 +74,15 @@ class HipBackend:
     name = "hip"
 
     def __init__(self, reference_model, runtime=None, device_weights: DeviceWeights | None = None,
-                 use_graph: bool | None = None, allow_untested_arch: bool = False):
+                 use_graph: bool | None = None, allow_untested_arch: bool = False,
+                 prefill_rows: int = PREFILL_ROWS):
         self.model = reference_model
         self.cfg = reference_model.config
         self.numerics = reference_model.numerics
-        self.max_rows = MAX_ROWS
+        if prefill_rows < MAX_ROWS:
+            raise ValueError(f"prefill_rows must be >= {MAX_ROWS}, got {prefill_rows}")
+        self.buckets = tuple(sorted({MAX_ROWS, int(prefill_rows)}))
+        self.max_rows = self.buckets[-1]
         if runtime is None:
             runtime = open_device(allow_untested_arch)
         self.rt = runtime
@@ -84,7 +97,8 @@ class HipBackend:
         self.state: DeviceState | None = None
         self.capture_count = 0
         self.replay_count = 0
-        self._graph = None
+        self.programs: dict[int, Recorder] = {}
+        self._graphs: dict[int, object] = {}
         self._ws: dict[str, object] = {}
 
     def describe(self) -> str:
@@ -110,13 +124,16 @@ class HipBackend:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
                                     f"state, {free / 2**30:.2f} GiB is free; use fewer")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
-        self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact)
+        self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
+                                 n_lanes=self.max_rows)
         self._rope_tables(min(self.cfg.context_length, n_pages * page_tokens))
         self._alloc_workspace()
-        rec = Recorder(self.rt)
-        self._build(rec)
-        self.program = rec
-        self._graph = None  # the capacity bucket changed: capture again on the next step
+        self.programs = {}
+        for L in self.buckets:
+            rec = Recorder(self.rt, L)
+            self._build(rec)
+            self.programs[L] = rec
+        self._graphs = {}  # the state moved: capture again on each bucket's next step
 
     def reset_slot(self, slot: int) -> None:
         self.rt.bind_thread()  # the protocol may be driven from any thread (the server's runner)
@@ -134,37 +151,42 @@ class HipBackend:
                    self.max_rows)
         order = lane_order([r.slot for r in rows])
         lanes = [rows[i] for i in order]
-        st.write_lanes(lane_fields(lanes, st.ratios))
-        self._run()
+        st.write_lanes(lane_fields(lanes, st.ratios, st.n_lanes))
+        self._run(self.bucket(len(rows)))
         self.rt.synchronize()
-        amax = self.rt.download(self._ws["amax"], (L,), I32)
+        emitting = [i for i in order if rows[i].emit]  # head row e holds the e-th emitting lane
+        amax = self.rt.download(self._ws["amax"], (max(len(emitting), 1),), I32)
         logits: list[np.ndarray | None] = [None] * len(rows)
         argmax = np.full(len(rows), -1, I32)
         V = self.cfg.vocab_size
-        for lane, i in enumerate(order):
-            r = rows[i]
+        for r in rows:
             st.next_pos[r.slot] += 1
-            if r.emit:
-                argmax[i] = amax[lane]
-            if r.want_logits:
-                logits[i] = self.rt.download(K.view(self._ws["logits"], lane * V * 4, V * 4), (V,), F32)
+        for e, i in enumerate(emitting):
+            argmax[i] = amax[e]
+            if rows[i].want_logits:
+                logits[i] = self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
         return StepResult(logits, argmax)
 
+    def bucket(self, n_rows: int) -> int:
+        """The smallest capacity bucket that holds n_rows rows."""
+        return next(L for L in self.buckets if n_rows <= L)
+
     # ---- running -------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, L: int) -> None:
+        program = self.programs[L]
         if not self.use_graph:
-            self.program.run()
+            program.run()
             return
-        if self._graph is None:
+        if L not in self._graphs:
             self.rt.synchronize()
             self.rt.begin_capture()
             try:
-                self.program.run()
+                program.run()
             finally:
                 graph = self.rt.end_capture()
-            self._graph = graph
+            self._graphs[L] = graph
             self.capture_count += 1
-        self.rt.replay(self._graph)
+        self.rt.replay(self._graphs[L])
         self.replay_count += 1
 
     def _need_state(self) -> DeviceState:
@@ -227,12 +249,14 @@ class HipBackend:
             "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
             "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
         }
+        L = self.max_rows  # every bucket's program uses the first lanes of these buffers
+        f32["hs"] = hc * d  # the emitting rows' streams, gathered for the head
         i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
-               "elist": -(-K.expert_list_ints(c.n_expert, kk) // L)}
+               "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L)}
         # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
-        ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols) for t in self.w.mats.values()] + [1])
+        ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols, L) for t in self.w.mats.values()] + [1])
         f32["ksplit"] = -(-ksf // L)
-        self.at_nz = _blocks(self.max_keys(), K.AT3_SPLIT)
+        self.at_nz = _blocks(self.max_keys(st.maxp * st.page_tokens), K.AT3_SPLIT)
         f32["at_m"] = f32["at_den"] = c.n_head * self.at_nz
         f32["at_acc"] = c.n_head * self.at_nz * D
         for name, n in list(f32.items()) + list(i32.items()):
@@ -241,21 +265,23 @@ class HipBackend:
             self._ws[name] = buf
         self.rt.synchronize()
 
-    def max_keys(self) -> int:
-        """The most keys one lane's attention can read in any layer: the raw window plus the
-        visible compressed rows (at most the top-k for ratio 4, context / ratio otherwise)."""
+    def max_keys(self, context: int) -> int:
+        """The most keys one lane's attention can read in any layer at this context: the raw
+        window plus the visible compressed rows (at most the top-k for ratio 4)."""
         c = self.cfg
+        context = min(context, c.context_length)
         most = c.sliding_window
         for r in c.compress_ratios:
             if r == 4:
-                most = max(most, c.sliding_window + c.indexer_top_k)
+                most = max(most, c.sliding_window + min(c.indexer_top_k, context // 4))
             elif r:
-                most = max(most, c.sliding_window + c.context_length // r + 1)
+                most = max(most, c.sliding_window + context // r + 1)
         return most
 
     # ---- the pass --------------------------------------------------------------------------
     def _build(self, rec: Recorder) -> None:
         """Record the whole pass: embedding, every layer, head, argmax."""
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         k = rec.compile_file("step_ops.hip").kernel
         emb = self.w.tensor("token_embd.weight")
@@ -268,22 +294,27 @@ class HipBackend:
 
     # small launch helpers ---------------------------------------------------------------
     def _mv(self, rec, name, x, y, **kw):
+        L = rec.L
         # padding lanes past the last row are skipped on the device
-        kw.update(lane_slot=self.state.lane("slot"), part=self._ws["ksplit"])
+        kw.setdefault("lane_slot", self.state.lane("slot"))
+        kw.update(part=self._ws["ksplit"])
         K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
 
-    def _norm(self, rec, x, wname, y, rows, D):
+    def _norm(self, rec, x, wname, y, rows, D, lanes=None):
+        L = rec.L
         K.launch_rmsnorm(rec, x, None if wname is None else self.w.vec(wname), y, rows, D, self.cfg.rms_eps,
-                         self.state.lane("slot"), rows // L)
+                         self.state.lane("slot") if lanes is None else lanes, rows // L)
 
     def _rope(self, rec, v, posbuf, ratio, rows_per_lane, D, inverse=False):
+        L = rec.L
         half = self.cfg.n_rot // 2
         k = rec.compile_file("step_ops.hip").kernel("step_rope_pos")
         rec.launch(k, (_blocks(L * rows_per_lane * half, 256),), (256,),
-                   (v, posbuf, self.rope_cs[1 if ratio else 0], I32(rows_per_lane), I32(D), I32(half),
+                   (v, posbuf, self.rope_cs[1 if ratio else 0], I32(L), I32(rows_per_lane), I32(D), I32(half),
                     I32(1 if inverse else 0)))
 
     def _hc_pre(self, rec, il, part, streams):
+        L = rec.L
         c, ws = self.cfg, self._ws
         p = f"blk.{il}.hc_{part}_"
         self._mv(rec, p + "fn.weight", streams, ws["mix"])
@@ -293,12 +324,14 @@ class HipBackend:
                     ws["u"], ws["post"], ws["comb"]))
 
     def _hc_post(self, rec, streams, y, out):
+        L = rec.L
         c, ws = self.cfg, self._ws
         rec.launch(K.kernel(rec, "hc", "ds4_hc_post"), (_blocks(L * c.hc_mult * c.n_embd, 256),), (256,),
                    (streams, y, ws["post"], ws["comb"], out, I32(L), I32(c.hc_mult), I32(c.n_embd)))
 
     # attention half of a layer ---------------------------------------------------------------
     def _attention_layer(self, rec, il: int) -> None:
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         ratio, D, H = c.ratio(il), c.head_dim, c.n_head
         p = f"blk.{il}."
@@ -334,6 +367,7 @@ class HipBackend:
 
     def _compressor(self, rec, il: int, kind: str) -> None:
         """Project this pass's inputs, pool the windows lanes complete, store the rows."""
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         ratio = c.ratio(il)
         cs = st.comps[(il, kind)]
@@ -347,7 +381,7 @@ class HipBackend:
         kso = rec.compile_file("step_state.hip").kernel
         rec.launch(kso("step_comp_gather"), (_blocks(L * C * width, 256),), (256,),
                    (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, cs.prev_kv, cs.prev_sc,
-                    I32(ratio), I32(width), I32(coff), st.lane("slot"), st.lane("pos"), st.lane("pstart"),
+                    I32(ratio), I32(width), I32(coff), I32(L), st.lane("slot"), st.lane("pos"), st.lane("pstart"),
                     st.lane("flane"), ws["cand_kv"], ws["cand_sc"], nkv, nsc, ws["emit_pos"]))
         rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(L * width, 256),), (256,),
                    (ws["cand_kv"], ws["cand_sc"], ws["pooled"], I32(L), I32(C), I32(width)))
@@ -368,6 +402,7 @@ class HipBackend:
 
     def _qat(self, rec, x, tmp, out, rows, n):
         """Hadamard rotation then FP4 blocks (ops.qat)."""
+        L = rec.L
         rec.launch(K.kernel(rec, "quant", "ds4_hadamard_rows"), (_blocks(rows * n, 256),), (256,),
                    (x, self.hadamard, tmp, I32(rows), I32(n), self.state.lane("slot"), I32(rows // L)))
         nb = rows * n // 32
@@ -376,6 +411,7 @@ class HipBackend:
 
     def _indexer(self, rec, il: int):
         """Indexer query, scores over the slot's index rows, top-k -> ws['sel']."""
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         p = f"blk.{il}."
         Hi, Di = c.indexer_heads, c.indexer_head_dim
@@ -397,6 +433,7 @@ class HipBackend:
         return ws["sel"]
 
     def _attend(self, rec, il: int, kv, sel) -> None:
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         ratio, H, D = c.ratio(il), c.n_head, c.head_dim
         store = st.pages[(il, ATTN)] if ratio else None
@@ -416,6 +453,7 @@ class HipBackend:
 
     def _commit(self, rec, il: int, kv) -> None:
         """Write the pass into the ring and the compressor state (after every reader)."""
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         kso = rec.compile_file("step_state.hip").kernel
         lanes = (st.lane("slot"), st.lane("pos"), st.lane("last"))
@@ -432,10 +470,11 @@ class HipBackend:
             nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
             rec.launch(kso("step_comp_commit"), (_blocks(L * coff * cs.width, 256),), (256,),
                        (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, nkv, nsc, cs.prev_kv,
-                        cs.prev_sc, I32(ratio), I32(cs.width), I32(coff), *lanes))
+                        cs.prev_sc, I32(ratio), I32(cs.width), I32(coff), I32(L), *lanes))
 
     # FFN half of a layer ------------------------------------------------------------------------
     def _ffn_layer(self, rec, il: int) -> None:
+        L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         p = f"blk.{il}."
         kk, clamp = c.n_expert_used, F32(c.swiglu_clamp[il])
@@ -444,8 +483,8 @@ class HipBackend:
         self._mv(rec, p + "ffn_gate_inp.weight", ws["xn"], ws["rlog"])
         ko = rec.compile_file("step_ops.hip").kernel
         if c.is_hash_layer(il):
-            rec.launch(ko("step_hash_ids"), (1,), (_blocks(L * kk, 32) * 32,),
-                       (self.w.vec(p + "ffn_gate_tid2eid.weight"), st.lane("tok"), I32(kk), ws["hid"]))
+            rec.launch(ko("step_hash_ids"), (_blocks(L * kk, 256),), (256,),
+                       (self.w.vec(p + "ffn_gate_tid2eid.weight"), st.lane("tok"), I32(L), I32(kk), ws["hid"]))
             bias, hid = None, ws["hid"]
         else:
             bias, hid = self.w.vec(p + "exp_probs_b.bias"), None
@@ -453,7 +492,7 @@ class HipBackend:
                    (ws["rlog"], bias, hid, I32(c.n_expert), I32(kk), F32(c.expert_weights_scale),
                     I32(1 if c.expert_weights_norm else 0), ws["ids"], ws["rw"]))
         rec.launch(ko("step_expert_list"), (1,), (256,),
-                   (ws["ids"], st.lane("slot"), I32(kk), I32(c.n_expert), ws["elist"]))
+                   (ws["ids"], st.lane("slot"), I32(L), I32(kk), I32(c.n_expert), ws["elist"]))
         ff = c.expert_ff
         self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"])
         self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"])
@@ -469,23 +508,29 @@ class HipBackend:
             self._mv(rec, p + "ffn_down_shexp.weight", ws["sh"], ws["sd"])
             shared = ws["sd"]
         rec.launch(ko("step_moe_combine"), (_blocks(L * c.n_embd, 256),), (256,),
-                   (ws["ed"], ws["rw"], shared, ws["ym"], I32(kk), I32(c.n_embd)))
+                   (ws["ed"], ws["rw"], shared, ws["ym"], I32(L), I32(kk), I32(c.n_embd)))
         self._hc_post(rec, ws["s1"], ws["ym"], ws["s0"])
 
     def _experts(self, rec, name, x, per_choice, y) -> None:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
-        r = EXPERT_RPW if t.wtype in ("bf16",) or EXPERT_RPW <= 2 else 2
+        want = PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW
+        r = want if t.wtype in ("bf16",) or want <= 2 else 2
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,
                                 self.cfg.n_expert_used)
 
     def _head(self, rec) -> None:
+        """On the emitting rows only, gathered to the front (lane field hsrc): in a prompt
+        pass most rows only fill state, and the lm head is the largest single weight."""
+        L = rec.L
         c, ws = self.cfg, self._ws
-        self._mv(rec, "output_hc_fn.weight", ws["s0"], ws["hmix"])
+        hsrc = self.state.lane("hsrc")
         ko = rec.compile_file("step_ops.hip").kernel
+        rec.launch(ko("step_gather_rows"), (L,), (256,), (ws["s0"], hsrc, ws["hs"], I32(c.hc_mult * c.n_embd)))
+        self._mv(rec, "output_hc_fn.weight", ws["hs"], ws["hmix"], lane_slot=hsrc)
         rec.launch(ko("step_hc_head"), (L,), (256,),
-                   (ws["s0"], ws["hmix"], self.w.vec("output_hc_base.weight"), self.w.vec("output_hc_scale.weight"),
-                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F32(c.hc_eps), ws["hx"]))
-        self._norm(rec, ws["hx"], "output_norm.weight", ws["hn"], L, c.n_embd)
-        self._mv(rec, "output.weight", ws["hn"], ws["logits"])
-        K.launch_argmax(rec, ws["logits"], ws["amax"], L, c.vocab_size)
+                   (ws["hs"], ws["hmix"], self.w.vec("output_hc_base.weight"), self.w.vec("output_hc_scale.weight"),
+                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F32(c.hc_eps), hsrc, ws["hx"]))
+        self._norm(rec, ws["hx"], "output_norm.weight", ws["hn"], L, c.n_embd, lanes=hsrc)
+        self._mv(rec, "output.weight", ws["hn"], ws["logits"], lane_slot=hsrc)
+        K.launch_argmax(rec, ws["logits"], ws["amax"], L, c.vocab_size, lane_slot=hsrc)

@@ -29,8 +29,10 @@ from ..reference.state import ATTN, INDEX
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2
 
 NEG_INF_BITS = 0xFF800000
-# Per-lane int32 fields written before every replay (rows of one (16,) array each).
-LANE_FIELDS = ("slot", "pos", "tok", "pstart", "flane", "last")
+# Per-lane int32 fields written before every replay (rows of one (lanes,) array each).
+# hsrc is the head's: entry e is the lane of the e-th row that emits (-1 past them), so
+# the head runs on the emitting rows gathered to the front.
+LANE_FIELDS = ("slot", "pos", "tok", "pstart", "flane", "last", "hsrc")
 
 
 # ---------------------------------------------------------------------------
@@ -84,7 +86,10 @@ def lane_fields(rows, ratios: Sequence[int], n_lanes: int = MAX_ROWS) -> np.ndar
     out = np.zeros((len(LANE_FIELDS) + len(ratios), n_lanes), np.int32)
     f = {name: out[i] for i, name in enumerate(LANE_FIELDS)}
     f["slot"][:] = -1
+    f["hsrc"][:] = -1
     f["flane"][:] = np.arange(n_lanes)
+    emitting = [lane for lane, r in enumerate(rows) if r.emit]
+    f["hsrc"][: len(emitting)] = emitting
     first: dict[int, tuple[int, int]] = {}
     last: dict[int, int] = {}
     for lane, r in enumerate(rows):
@@ -133,7 +138,7 @@ class DeviceState:
     """All slots' state on the device plus the host mirrors the checks need."""
 
     def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int],
-                 compact: bool = False):
+                 compact: bool = False, n_lanes: int = MAX_ROWS):
         self.rt, self.cfg, self.compact = rt, cfg, compact
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
@@ -158,7 +163,8 @@ class DeviceState:
                 self.pages[(il, kind)] = self._zeros(n_pages * self.layout.rows_per_page(r) *
                                                      self.row_bytes[kind] // 4)
         self.btab = self._zeros(n_slots * self.maxp)
-        self.lanes = self._zeros((len(LANE_FIELDS) + len(self.ratios)) * MAX_ROWS)
+        self.n_lanes = n_lanes  # the largest pass; every program reads the first lanes it has
+        self.lanes = self._zeros((len(LANE_FIELDS) + len(self.ratios)) * n_lanes)
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
         self.next_pos = np.zeros(n_slots, np.int64)
         rt.synchronize()
@@ -188,15 +194,15 @@ class DeviceState:
 
     # ---- views the program needs ---------------------------------------------------
     def lane(self, name: str):
-        """Device view of one per-lane field (int32[16])."""
-        from .ops import view
-        i = LANE_FIELDS.index(name)
-        return view(self.lanes, i * MAX_ROWS * 4, MAX_ROWS * 4)
+        """Device view of one per-lane field (int32[n_lanes])."""
+        return self._field(LANE_FIELDS.index(name))
 
     def nvis(self, ratio: int):
+        return self._field(len(LANE_FIELDS) + self.ratios.index(ratio))
+
+    def _field(self, i: int):
         from .ops import view
-        i = len(LANE_FIELDS) + self.ratios.index(ratio)
-        return view(self.lanes, i * MAX_ROWS * 4, MAX_ROWS * 4)
+        return view(self.lanes, i * self.n_lanes * 4, self.n_lanes * 4)
 
     def ring_layer(self, il: int):
         from .ops import view

@@ -286,35 +286,44 @@ class DeviceWeight:
         return cls(rt.upload(np.ascontiguousarray(w)), wt, int(np.prod(w.shape[:-1])), k)
 
 
+def lane_groups(L: int) -> int:
+    """Groups of MAX_LANES a pass of L lanes runs in (matvec v3 and the routed experts)."""
+    return -(-int(L) // MAX_LANES)
+
+
 def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int, *, groups: int = 1,
                   ldx: int | None = None, xg: int = 0, ldy: int | None = None,
                   lane_slot: DeviceBuffer | None = None, part: DeviceBuffer | None = None) -> None:
-    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L <= 16, N = rows / groups.
+    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L, N = rows / groups.
 
-    v3 only: `lane_slot` (int32[16] slot ids, -1 = padding) limits the work to lanes up to
-    the last one with a slot (later lanes' y is left as it was); `part` is scratch for the
-    fixed K-split of few-row matrices (matvec_ksplit); without it they run unsplit."""
-    _need(1 <= L <= MAX_LANES, f"matvec: {L} lanes, the kernel takes 1..{MAX_LANES}")
+    v1/v2 take L <= 16; v3 any L, in lane groups of 16 (a prompt pass). v3 only:
+    `lane_slot` (int32[L] slot ids, -1 = padding after the rows) limits the work to lanes
+    up to the last one with a slot (later lanes' y is left as it was); `part` is scratch
+    for the fixed K-split of few-row matrices (matvec_ksplit); without it they run unsplit."""
+    _need(1 <= L and (KERNELS == "v3" or L <= MAX_LANES),
+          f"matvec: {L} lanes, the {KERNELS} kernel takes 1..{MAX_LANES}")
     n = w.rows // groups
     ldx = ldx if ldx is not None else w.cols
     ldy = ldy if ldy is not None else w.rows
     _need(KERNELS == "v3" or w.wtype not in K_QUANTS, f"matvec: {w.wtype} weights need the v3 kernels")
     if KERNELS == "v3":
+        nlg = lane_groups(L)
         ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
         if ks and part is not None:
             nsplit = -(-w.cols // ks)
-            _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols), "matvec: K-split scratch too small")
+            _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
             rpw = 1
-            rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"), (_blocks(n, 8 * rpw), 1, nsplit),
+            rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"),
+                      (_blocks(n, 8 * rpw), nlg, nsplit),
                       (256,), (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
-            rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(MAX_LANES * n, 256),), (256,),
+            rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(nlg * MAX_LANES * n, 256),), (256,),
                       (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
             return
-        rpw = matvec_rows_per_warp(rt, n * groups)
+        rpw = matvec_rows_per_warp(rt, n * groups, L)
         if w.wtype in K_QUANTS:
             rpw = min(rpw, 2)  # r1 and r2 are built for the K-quants and MXFP4
-        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups), (256,),
-                  (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
+        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups, nlg),
+                  (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
         return
     # v1 and v2 give bitwise-identical results (tests/gpu checks it), so this choice is
     # free to depend on the shape and even the lane count. Measured on the H200
@@ -340,21 +349,25 @@ def matvec_ksplit(rows: int, cols: int) -> int:
     return canon.ksplit(rows, cols)
 
 
-def ksplit_floats(rows: int, cols: int) -> int:
-    """Scratch floats the K-split of this shape needs (16 lanes x rows x slices)."""
+def ksplit_floats(rows: int, cols: int, L: int = MAX_LANES) -> int:
+    """Scratch floats the K-split of this shape needs (L lanes in whole groups x rows x slices)."""
     ks = matvec_ksplit(rows, cols)
-    return MAX_LANES * rows * -(-cols // ks) if ks else 0
+    return lane_groups(L) * MAX_LANES * rows * -(-cols // ks) if ks else 0
 
 
-def matvec_rows_per_warp(rt, rows: int) -> int:
+def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
     """Rows per warp. v2: only r1 is chosen (r2/r4 tested but slower on the H200: 202
     registers for r4). v3: by the matrix's row count (RPW3_POLICY: the smallest row count
-    from which each R is used); DS4REF_MATVEC_RPW forces one for experiments."""
+    from which each R is used), and for a prompt pass (L > 16) PREFILL_RPW, where every
+    block re-stages its lane group's activations, so more rows a block stage less;
+    DS4REF_MATVEC_RPW forces one for experiments. The choice never changes a result."""
     forced = os.environ.get("DS4REF_MATVEC_RPW")
     if forced:
         if forced not in ("1", "2", "4"):
             raise UnsupportedShapeError(f"DS4REF_MATVEC_RPW={forced!r} is not 1, 2 or 4")
         return int(forced)
+    if KERNELS == "v3" and L > MAX_LANES:
+        return PREFILL_RPW
     if KERNELS == "v3":
         r = 1
         for rpw, min_rows in RPW3_POLICY:
@@ -367,27 +380,30 @@ def matvec_rows_per_warp(rt, rows: int) -> int:
 # measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
 # r2 above at 1 and 16 lanes; r4 (208 registers, one block per SM) never won
 RPW3_POLICY = ((2, 2049),)
+PREFILL_RPW = int(os.environ.get("DS4REF_PREFILL_RPW", "4"))
 
 
-def ksplit_scratch(rt, dw: DeviceWeight) -> DeviceBuffer | None:
-    """A K-split scratch buffer for this weight under v3, or None when it is not split."""
-    n = ksplit_floats(dw.rows, dw.cols) if KERNELS == "v3" else 0
+def ksplit_scratch(rt, dw: DeviceWeight, L: int = MAX_LANES) -> DeviceBuffer | None:
+    """A K-split scratch buffer for this weight at L lanes under v3, or None when it is not split."""
+    n = ksplit_floats(dw.rows, dw.cols, L) if KERNELS == "v3" else 0
     return rt.malloc(4 * n) if n else None
 
 
 def matvec(w, x, wtype=None, rt=None):
-    """x (L, K) or (K,) -> x @ W.T, lanes in chunks of 16."""
+    """x (L, K) or (K,) -> x @ W.T: v3 runs every lane in one launch (lane groups of 16),
+    v1/v2 in chunks of 16."""
     rt = _rt(rt)
     x = _f32(x)
     squeeze = x.ndim == 1
     x2 = x.reshape(-1, x.shape[-1])
     dw = DeviceWeight.upload(rt, w, wtype)
-    part = ksplit_scratch(rt, dw)
+    part = ksplit_scratch(rt, dw, max(1, x2.shape[0]))
     try:
         _need(x2.shape[1] == dw.cols, f"matvec: x has {x2.shape[1]} columns, W has {dw.cols}")
         outs = []
-        for c0 in range(0, x2.shape[0], MAX_LANES):
-            xc = x2[c0:c0 + MAX_LANES]
+        chunk = max(1, x2.shape[0]) if KERNELS == "v3" else MAX_LANES
+        for c0 in range(0, x2.shape[0], chunk):
+            xc = x2[c0:c0 + chunk]
             with _Scope(rt) as s:
                 y = s.out((xc.shape[0], dw.rows))
                 launch_matvec(rt, dw, s.up(xc), y, xc.shape[0], part=part)
@@ -684,12 +700,15 @@ def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
     return y[0] if squeeze else y
 
 
-EL_STRIDE = 2 + MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 pairs
+EL_PAIRS = MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 (lane, choice) pairs
+EL_STRIDE = 2 + EL_PAIRS
 
 
-def expert_list_ints(n_expert: int, kk: int) -> int:
-    """int32s of step_expert_list's output: the count, then one entry per expert a pass can choose."""
-    return 1 + min(n_expert, MAX_LANES * kk) * EL_STRIDE
+def expert_list_ints(n_expert: int, kk: int, L: int = MAX_LANES) -> int:
+    """int32s of step_expert_list's output for a pass of L lanes: the count, then the entries.
+    An expert with c pairs takes ceil(c / 16) entries, so the chosen experts (at most
+    min(E, L*kk)) take at most that many plus L*kk / 16."""
+    return 1 + (min(n_expert, L * kk) + L * kk // EL_PAIRS) * EL_STRIDE
 
 
 def expert_blocks(rt) -> int:
@@ -704,35 +723,37 @@ def launch_routed_experts(rt, wbuf, wtype: str, r: int, x, per_choice: int, elis
     rt.launch(kern, (expert_blocks(rt),), (256,), (wbuf, x, I32(per_choice), elist, y, I32(N), I32(K), I32(kk)))
 
 
-def routed_experts(w, wtype: str, x, ids, rt=None):
+def routed_experts(w, wtype: str, x, ids, rt=None, rows_per_warp: int | None = None):
     """The backend's routed-expert kernels: w (E, N, row bytes or K), x (L, K) or (L, kk, K) (one
-    input per choice), ids (L, kk) -> y (L, kk, N) = W[ids[l, t]] @ x, every lane valid."""
+    input per choice), ids (L, kk) -> y (L, kk, N) = W[ids[l, t]] @ x, every lane valid. Any L:
+    past 16 lanes an expert chosen by many lanes takes several work entries (a prompt pass)."""
     rt = _rt(rt)
     x, ids = _f32(x), np.ascontiguousarray(ids, np.int32)
     L, kk = ids.shape
-    _need(L <= MAX_LANES, f"routed_experts: {L} lanes, the kernel takes 1..{MAX_LANES}")
+    _need(L >= 1, "routed_experts: no lanes")
     E, N = w.shape[0], w.shape[1]
     K = weight_cols(w, wtype)
     per_choice = x.ndim == 3
-    xs = np.zeros((MAX_LANES, kk, K) if per_choice else (MAX_LANES, K), F32)
+    P = max(L, MAX_LANES)  # padded like a decode pass: padding lanes carry slot -1
+    xs = np.zeros((P, kk, K) if per_choice else (P, K), F32)
     xs[:L] = x
-    slots = np.full(MAX_LANES, -1, np.int32)
+    slots = np.full(P, -1, np.int32)
     slots[:L] = np.arange(L)
-    ids16 = np.zeros((MAX_LANES, kk), np.int32)
-    ids16[:L] = ids
-    r = 2 if N >= 16 else 1
+    idp = np.zeros((P, kk), np.int32)
+    idp[:L] = ids
+    r = rows_per_warp or (2 if N >= 16 else 1)
     with _Scope(rt) as s:
-        y = s.out((MAX_LANES, kk, N))
-        elist = s.out((expert_list_ints(E, kk),), I32)
+        y = s.out((P, kk, N))
+        elist = s.out((expert_list_ints(E, kk, P),), I32)
         rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
-                  (s.up(ids16), s.up(slots), I32(kk), I32(E), elist))
+                  (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
         launch_routed_experts(rt, s.up(np.ascontiguousarray(w)), wtype, r, s.up(xs), 1 if per_choice else 0,
                               elist, y, N, K, kk)
-        return s.get(y, (MAX_LANES, kk, N))[:L]
+        return s.get(y, (P, kk, N))[:L]
 
 
-def launch_argmax(rt, x: DeviceBuffer, out: DeviceBuffer, L: int, V: int) -> None:
-    rt.launch(kernel(rt, "moe", "ds4_argmax"), (max(L, 1),), (1024,), (x, I32(V), out))
+def launch_argmax(rt, x: DeviceBuffer, out: DeviceBuffer, L: int, V: int, lane_slot=None) -> None:
+    rt.launch(kernel(rt, "moe", "ds4_argmax"), (max(L, 1),), (1024,), (x, I32(V), out, lane_slot))
 
 
 def argmax(logits, rt=None):

@@ -10,7 +10,10 @@ comparison here is bitwise, in both numerics:
 (c) batch invariance: a lane's logits are bitwise identical alone and among 15 others,
     in another slot and on other pages;
 (d) one graph capture serves passes across many ratio-4 boundaries while lanes come and go;
-(e) the golden greedy continuations through the Engine with the HIP backend.
+(e) the golden greedy continuations through the Engine with the HIP backend;
+(f) prompt passes of up to 256 rows (the second capacity bucket, chunked prefill): every
+    row's logits and the stored state are bitwise those of one row a pass, whichever
+    other slots' rows share the pass.
 Skipped with the reason when no GPU runtime opens (tests/gpu/conftest.py).
 """
 from __future__ import annotations
@@ -37,6 +40,9 @@ EXAMPLES = int(os.environ.get("DS4REF_GPU_EXAMPLES", "8"))
 # over the GPU machine's cores: DS4REF_CROSS_SHARDS x DS4REF_CROSS_EXAMPLES per numerics
 CROSS_SHARDS = int(os.environ.get("DS4REF_CROSS_SHARDS", "1"))
 CROSS_EXAMPLES = int(os.environ.get("DS4REF_CROSS_EXAMPLES", str(EXAMPLES)))
+# the prompt-pass property: its NumPy side feeds one row a pass, so it runs in shards too
+PREFILL_SHARDS = int(os.environ.get("DS4REF_PREFILL_SHARDS", "3"))
+PREFILL_EXAMPLES = int(os.environ.get("DS4REF_PREFILL_EXAMPLES", "3"))
 GOLDEN = Path(__file__).parents[1] / "golden"
 
 
@@ -65,7 +71,7 @@ def feed(backend, slot: int, tokens, chunks, start: int = 0) -> list[np.ndarray]
         rows = [Row(slot, pos + j, int(t)) for j, t in enumerate(tokens[i:i + n])]
         if not rows:
             break
-        res = backend.step(StepPlan.from_rows(rows))
+        res = backend.step(StepPlan.from_rows(rows, backend.max_rows))
         out += res.logits
         pos, i = pos + len(rows), i + len(rows)
     return out
@@ -133,9 +139,10 @@ def test_stored_rows_are_numpys_bytes(model, rt):
 # ---------------------------------------------------------------------------
 
 def prompt_lengths():
-    """Mostly short prompts, often long ones: up to 760 tokens crosses five ratio-128
-    windows, and past 4 * (top_k + 1) tokens the indexer chooses among compressed rows."""
-    return st.one_of(st.integers(1, 40), st.integers(100, 300), st.integers(500, 760))
+    """Mostly short prompts, often long ones: up to 1100 tokens crosses eight ratio-128
+    windows, and past 4 * (top_k + 1) tokens the indexer chooses among compressed rows.
+    With quantum 256 a long prompt runs in prompt passes of up to 256 rows."""
+    return st.one_of(st.integers(1, 40), st.integers(100, 300), st.integers(500, 1100))
 
 
 samplings = st.one_of(
@@ -156,7 +163,13 @@ def request_mixes(draw):
         prompt = draw(st.lists(st.integers(0, 511), min_size=length, max_size=length))
         mix.append((prompt, draw(st.integers(1, 8)), draw(samplings), draw(st.integers(0, 6)),
                     draw(st.one_of(st.none(), st.integers(1, 60)))))
-    return mix, draw(st.sampled_from([1, 16]))
+    return mix, draw(st.sampled_from([1, 16, 256]))
+
+
+def numpy_like(model, hip_backend):
+    """The NumPy reference with the HIP backend's pass size: arrivals and cancellations are
+    given in passes, so both engines must plan the same passes to be compared."""
+    return NumpyBackend(model.reference, max_rows=hip_backend.max_rows)
 
 
 def run_engine(model, backend, mix, quantum):
@@ -175,8 +188,9 @@ def run_engine(model, backend, mix, quantum):
 @given(case=request_mixes())
 def test_engine_tokens_equal_across_backends(model, rt, shard, case):
     mix, quantum = case
-    want = run_engine(model, NumpyBackend(model.reference), mix, quantum)
-    got = run_engine(model, hip(model, rt), mix, quantum)
+    dev = hip(model, rt)
+    want = run_engine(model, numpy_like(model, dev), mix, quantum)
+    got = run_engine(model, dev, mix, quantum)
     assert got[0] == want[0], "tokens differ"
     assert got[1] == want[1], "token events (logprobs) differ"
     assert got[2] == want[2], "finishes differ"
@@ -194,8 +208,9 @@ def test_issue_f_reproducer(model, rt):
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 2, 5, 31, 64, 127, 128, 129, 200, 255, 256, 257)]
     smp = Sampling(temperature=0.9, top_p=0.95, seed=1245, logprobs=5)
     mix = [(prompts[-1], 24, smp, 0, None)]
-    want = run_engine(model, NumpyBackend(model.reference), mix, 1)
-    got = run_engine(model, hip(model, rt), mix, 1)
+    dev = hip(model, rt)
+    want = run_engine(model, numpy_like(model, dev), mix, 1)
+    got = run_engine(model, dev, mix, 1)
     assert got == want
 
 
@@ -288,3 +303,78 @@ def test_golden_greedy_on_hip(model, rt):
     outs = Engine(model, max_concurrency=16, backend=hip(model, rt)).run(reqs)
     want = [model.reference.generate(c["prompt"], len(c["greedy"])) for c in g["cases"]]
     assert outs == want, "greedy tokens differ from the float32 reference's"
+
+
+# ---------------------------------------------------------------------------
+# (f) prompt passes: the 256-lane bucket
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def prompt_passes(draw):
+    """A prompt and the pass sizes it is fed in, with the other slots' rows per pass."""
+    length = draw(st.integers(300, 1100))
+    sizes, left = [], length
+    while left > 0:
+        n = min(left, draw(st.sampled_from([1, 3, 16, 17, 100, 129, 255, 256])))
+        crowd = draw(st.integers(0, 256 - n))
+        sizes.append((n, crowd))
+        left -= n
+    return length, sizes, draw(st.integers(0, 2**32 - 1))
+
+
+@pytest.mark.parametrize("shard", range(PREFILL_SHARDS))
+@settings(max_examples=PREFILL_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=prompt_passes())
+def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
+    """A prompt fed in passes of up to 256 rows, among other slots' prompt rows and decode
+    rows on random lanes and pages, gives every row the logits of decode_logits (one row a
+    pass) and leaves the same stored bytes as NumpyBackend fed one row a pass."""
+    length, sizes, seed = case
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, model.config.vocab_size, length)
+    want = model.reference.decode_logits(ids)
+    n_slots, n_pages, target = 6, 64, 4
+    b = hip(model, rt)
+    b.configure(n_slots, n_pages)
+    pages = [int(p) for p in rng.permutation(n_pages)]
+    tables = {s: [pages.pop() for _ in range(9)] for s in range(n_slots)}  # 1152 positions each
+    for s in range(n_slots):
+        b.reset_slot(s)
+        b.set_block_table(s, tables[s])
+    others = {s: rng.integers(0, 512, 9 * 128) for s in range(n_slots) if s != target}
+    pos = {s: 0 for s in range(n_slots)}
+    got, i, passes = [], 0, 0
+    for n, crowd in sizes:
+        mine = [Row(target, i + j, int(t)) for j, t in enumerate(ids[i:i + n])]
+        rest = []
+        for s in rng.permutation(sorted(others)):
+            s = int(s)
+            k = min(int(rng.integers(1, crowd + 2)), crowd - len(rest), 9 * 128 - pos[s])
+            rest += [Row(s, pos[s] + j, int(others[s][pos[s] + j]), False, j == k - 1) for j in range(max(k, 0))]
+        at = int(rng.integers(0, len(rest) + 1))
+        plan = rest[:at] + mine + rest[at:]
+        res = b.step(StepPlan.from_rows(plan, b.max_rows))
+        passes += 1
+        got += [lg for r, lg in zip(plan, res.logits) if r.slot == target]
+        for r in plan:
+            pos[r.slot] += 1
+        i += n
+    assert len(got) == length
+    assert_rows_bitwise(got, want, f"[{model.numerics}] prompt passes of up to 256 rows vs decode_logits")
+    assert b.capture_count <= len(b.buckets) and b.replay_count == passes
+
+    ref = NumpyBackend(model.reference)
+    ref.configure(n_slots, n_pages)
+    ref.reset_slot(target)
+    ref.set_block_table(target, tables[target])
+    feed(ref, target, ids, [1] * length)
+    st_ = b.state
+    for (il, kind), buf in st_.pages.items():
+        want_b = np.ascontiguousarray(ref.pages[(il, kind)]).view(np.uint8).reshape(n_pages, -1)
+        got_b = rt.download(buf, want_b.shape, np.uint8)
+        for page in tables[target][: -(-length // 128)]:
+            assert np.array_equal(got_b[page], want_b[page]), f"layer {il} {kind}, page {page}: bytes differ"
+    ring = rt.download(st_.rings, (n_slots, st_.ring_slot_bytes), np.uint8)
+    want_r = np.ascontiguousarray(ref.rings).view(np.uint8).reshape(n_slots, -1)
+    assert np.array_equal(ring[target], want_r[target]), "raw window rings differ"

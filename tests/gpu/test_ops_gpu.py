@@ -43,6 +43,9 @@ def rnd(seed, *shape, scale=1.0):
 
 seeds = st.integers(0, 2**31 - 1)
 lanes = st.integers(1, 16)
+# a prompt pass: the matvec runs in lane groups of 16, an expert chosen by more than 16
+# lanes gets several work entries
+wide_lanes = st.one_of(lanes, st.sampled_from([17, 40, 129, 256]))
 
 
 # ---- norms, RoPE -------------------------------------------------------------
@@ -120,7 +123,7 @@ QUANTS = ["q2_k", "q4_k", "iq2_xxs", "mxfp4"]
 
 
 @SETTINGS
-@given(seed=seeds, L=lanes, n=st.integers(1, 300), kb=st.integers(1, 80),
+@given(seed=seeds, L=wide_lanes, n=st.integers(1, 300), kb=st.integers(1, 80),
        wtype=st.sampled_from(["f32", "f16", "bf16", "q8_0"]))
 def test_matvec(rt, seed, L, n, kb, wtype):
     k = 32 * kb  # chunk tails: K need not be a multiple of the 512-column chunk
@@ -132,15 +135,17 @@ def test_matvec(rt, seed, L, n, kb, wtype):
 
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0"])
 def test_matvec_batch_invariance(rt, wtype):
-    """At Flash's width (4096 columns): the reference's bits, alone or among 16."""
+    """At Flash's width (4096 columns): the reference's bits, alone, among 16 or among 256
+    (v3's lane groups; v1/v2 run 256 lanes as 16 chunks)."""
     w, wf = make_weight(7, 1024, 4096, wtype)
-    x = rnd(8, 16, 4096)
+    x = rnd(8, 256, 4096)
     alone = g.matvec(w, x[:1], wtype=wtype, rt=rt)
-    among = g.matvec(w, x, wtype=wtype, rt=rt)
-    assert same_bits(among, ref.linear(x, wf))
-    assert np.array_equal(alone[0], among[0])
-    for l in (5, 15):  # any lane, alone or among 16
-        assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], among[l])
+    among = g.matvec(w, x[:16], wtype=wtype, rt=rt)
+    crowd = g.matvec(w, x, wtype=wtype, rt=rt)
+    assert same_bits(among, ref.linear(x[:16], wf))
+    assert np.array_equal(alone[0], among[0]) and np.array_equal(crowd[:16], among)
+    for l in (5, 15, 200):  # any lane, alone or among 16 or 256
+        assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], crowd[l])
 
 
 @SETTINGS
@@ -375,10 +380,10 @@ def test_matvec_v3_ksplit(rt, monkeypatch, wtype, n, k):
     monkeypatch.setattr(g, "KERNELS", "v3")
     assert g.matvec_ksplit(n, k)
     w, wf = make_weight(n * 7 + k, n, k, wtype)
-    x = rnd(n + k, 16, k)
+    x = rnd(n + k, 40, k)  # three lane groups, the last one partial
     among = g.matvec(w, x, wtype=wtype, rt=rt)
     assert same_bits(among, ref.linear(x, wf))
-    for l in (0, 9):
+    for l in (0, 9, 37):
         assert np.array_equal(g.matvec(w, x[l:l + 1], wtype=wtype, rt=rt)[0], among[l])
 
 
@@ -432,19 +437,20 @@ def test_matvec_block_quants_flash_shapes(rt, wtype, n, k):
 
 
 @SETTINGS
-@given(seed=seeds, L=lanes, E=st.sampled_from([4, 16]), kk=st.sampled_from([1, 2, 6]),
+@given(seed=seeds, L=wide_lanes, E=st.sampled_from([4, 16]), kk=st.sampled_from([1, 2, 6]),
        shape=st.sampled_from([(256, 512), (64, 256), (512, 2048)]), down=st.booleans(),
-       wtype=st.sampled_from(["f32", "bf16", "q8_0"] + QUANTS))
-def test_routed_experts(rt, seed, L, E, kk, shape, down, wtype):
-    """Each (lane, choice) is the reference's unsplit dot with that expert, whoever else chose it."""
-    assume(kk <= E)
+       wtype=st.sampled_from(["f32", "bf16", "q8_0"] + QUANTS), rpw=st.sampled_from([1, 2, 4]))
+def test_routed_experts(rt, seed, L, E, kk, shape, down, wtype, rpw):
+    """Each (lane, choice) is the reference's unsplit dot with that expert, whoever else chose
+    it, at every rows-per-warp the backend may pick (4 is built for bf16 only)."""
+    assume(kk <= E and (rpw < 4 or wtype == "bf16"))
     N, K = shape
     rng = np.random.default_rng(seed)
     mats = [make_weight(seed + 10 * e, N, K, wtype) for e in range(E)]
     w = np.stack([m[0] for m in mats])
     ids = np.stack([np.sort(rng.choice(E, kk, replace=False)) for _ in range(L)]).astype(np.int32)
     x = rnd(seed + 1, L, kk, K) if down else rnd(seed + 1, L, K)
-    got = g.routed_experts(w, wtype, x, ids, rt=rt)
+    got = g.routed_experts(w, wtype, x, ids, rt=rt, rows_per_warp=rpw)
     for l in range(L):
         for t in range(kk):
             xi = x[l, t] if down else x[l]

@@ -249,19 +249,31 @@ DS4_MATVEC2(ds4_matvec2_q8_0_r4, WT_Q8_0, 4)
 // ---------------------------------------------------------------------------
 #include "ds4_mv3.h"
 
-// y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K]. Grid (ceil(N / (8R)), groups).
+// Lane groups: a pass of L > 16 lanes (a prompt pass) runs in groups of MV_LANES, one
+// group per blockIdx.z (blockIdx.y for the K-split, whose z is the slice), so a decode
+// pass (one group) runs the 16-lane kernel's code unchanged. A lane's arithmetic is the
+// 16-lane kernel's whatever its group, so its sum is the same in a pass of 1, 16 or 256.
+__device__ __forceinline__ int mv3_groups(int L) { return (L + MV_LANES - 1) / MV_LANES; }
+
+__device__ __forceinline__ int mv3_group_active(int L, const int* lane_slot, int l0) {
+    int n = L - l0 < MV_LANES ? L - l0 : MV_LANES;
+    return mv3_active(n, lane_slot ? lane_slot + l0 : lane_slot);
+}
+
+// y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K]. Grid (ceil(N / (8R)), groups, lane groups).
 template <int WT, int R, int U>
 __device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,
                          int ldy, const int* lane_slot) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[MV_LANES];
     __shared__ long long ybase[MV_LANES];
-    int na = mv3_active(L, lane_slot);
+    int l0 = (int)blockIdx.z * MV_LANES;
+    int na = mv3_group_active(L, lane_slot, l0);
     if (na == 0) return;
     int g = blockIdx.y;
     if (threadIdx.x < na) {
-        xrow[threadIdx.x] = x + (long long)threadIdx.x * ldx + (long long)g * xg;
-        ybase[threadIdx.x] = (long long)threadIdx.x * ldy + (long long)g * N;
+        xrow[threadIdx.x] = x + (long long)(l0 + threadIdx.x) * ldx + (long long)g * xg;
+        ybase[threadIdx.x] = (long long)(l0 + threadIdx.x) * ldy + (long long)g * N;
     }
     long long rb = mv3_row_bytes(WT, K);
     mv3_rows<WT, R, U>(W + (long long)g * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4, blockIdx.x);
@@ -269,20 +281,22 @@ __device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K
 
 // Fixed K-split for matrices with few rows and long rows (hc projections, router):
 // block z of the grid's third dimension takes columns [z*KS, z*KS + KS) and writes
-// part[(z*16 + l)*N + r]; ds4_matvec3_ksum adds the splits in z order. KS depends
-// only on the shape, so a lane's sum is the same alone or among 16.
+// part[(z*LS + l)*N + r] (LS = lanes rounded up to whole groups); ds4_matvec3_ksum adds
+// the splits in z order. KS depends only on the shape, so a lane's sum is the same alone
+// or among 16 or 256.
 template <int WT, int R, int U>
 __device__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,
                                const int* lane_slot, int KS) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[MV_LANES];
     __shared__ long long ybase[MV_LANES];
-    int na = mv3_active(L, lane_slot);
+    int nlg = mv3_groups(L), l0 = (int)blockIdx.y * MV_LANES;
+    int na = mv3_group_active(L, lane_slot, l0);
     if (na == 0) return;
     int z = blockIdx.z;
     if (threadIdx.x < na) {
-        xrow[threadIdx.x] = x + (long long)threadIdx.x * ldx;
-        ybase[threadIdx.x] = ((long long)z * MV_LANES + threadIdx.x) * N;
+        xrow[threadIdx.x] = x + (long long)(l0 + threadIdx.x) * ldx;
+        ybase[threadIdx.x] = ((long long)z * nlg * MV_LANES + l0 + threadIdx.x) * N;
     }
     int cbeg = z * KS, clen = K - cbeg < KS ? K - cbeg : KS;
     mv3_rows<WT, R, U>(W, mv3_row_bytes(WT, K), N, cbeg, clen, na, xrow, ybase, part, xs4, blockIdx.x);
@@ -290,12 +304,12 @@ __device__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int
 
 extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, float* __restrict__ y, int N, int L,
                                             int ldy, int nsplit, const int* lane_slot) {
-    int na = mv3_active(L, lane_slot);
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    int a = idx / N, r = idx % N;
-    if (a >= na) return;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int a = (int)(idx / N), r = (int)(idx % N);
+    if (a >= L || (lane_slot && lane_slot[a] < 0)) return;  // padding lanes sit after the rows
+    int ls = mv3_groups(L) * MV_LANES;
     float s = 0.0f;
-    for (int z = 0; z < nsplit; ++z) s += part[((long long)z * MV_LANES + a) * N + r];
+    for (int z = 0; z < nsplit; ++z) s += part[((long long)z * ls + a) * N + r];
     y[(long long)a * ldy + r] = s;
 }
 

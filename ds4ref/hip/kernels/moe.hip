@@ -73,9 +73,12 @@ __device__ __forceinline__ void am_pick(float& bv, int& bi, float v, int i) {
     if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
 }
 
-extern "C" __global__ void ds4_argmax(const float* __restrict__ x, int V, int* __restrict__ out) {
+// lane_slot (or null): rows whose entry is negative are padding and are skipped.
+extern "C" __global__ void ds4_argmax(const float* __restrict__ x, int V, int* __restrict__ out,
+                                      const int* __restrict__ lane_slot) {
     __shared__ float sv[32];
     __shared__ int si[32];
+    if (lane_slot && lane_slot[blockIdx.x] < 0) return;
     const float* xr = x + (long long)blockIdx.x * V;
     float bv = -DS4_INF;
     int bi = 0x7fffffff;

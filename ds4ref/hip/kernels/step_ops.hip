@@ -6,7 +6,10 @@
 // random-weight initialiser for the benchmark.
 #include "ds4_hip.h"
 
-#define SO_LANES 16
+// A pass holds L lanes (rows): 16 for a decode pass, more for a prompt pass. Kernels
+// take L as an argument or as their grid; the routed experts' work entries hold up to
+// EL_PAIRS (lane, choice) pairs each.
+#define EL_PAIRS 16
 #define WT_F32 0
 #define WT_F16 1
 #define WT_BF16 2
@@ -27,7 +30,7 @@ __device__ __forceinline__ float so_elem(const ds4_u8* row, int wt, int i) {
     return d * (float)(ds4_i8)blk[2 + i % 32];
 }
 
-// streams[l, h, :] = E[tok[l], :] for every hyper-connection stream h. Grid (16).
+// streams[l, h, :] = E[tok[l], :] for every hyper-connection stream h. Grid (L).
 extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, const int* tok, float* streams) {
     int l = blockIdx.x;
     const ds4_u8* row = E + (long long)tok[l] * so_row_bytes(wt, d);
@@ -37,12 +40,12 @@ extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, co
     }
 }
 
-// In-place RoPE of the last 2*half dims of rows (16 * rows_per_lane, D), interleaved
+// In-place RoPE of the last 2*half dims of rows (L * rows_per_lane, D), interleaved
 // pairs, with cos/sin read from the host's table cs[pos][p] = (cos, sin) (canon.rope_cos_sin).
-extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* cs, int rows_per_lane,
+extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* cs, int L, int rows_per_lane,
                                          int D, int half, int inverse) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)SO_LANES * rows_per_lane * half) return;
+    if (idx >= (long long)L * rows_per_lane * half) return;
     int p = (int)(idx % half);
     long long row = idx / half;
     int l = (int)(row / rows_per_lane);
@@ -55,9 +58,9 @@ extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* 
 }
 
 // Hash routing: ids[l, t] = tid2eid[tok[l], t].
-extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int k, int* ids) {
-    int i = threadIdx.x;
-    if (i >= SO_LANES * k) return;
+extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int L, int k, int* ids) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= L * k) return;
     ids[i] = tid2eid[(long long)tok[i / k] * k + i % k];
 }
 
@@ -68,18 +71,21 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 // (lane, choice) pairs in lane order, and the expert kernel's fixed grid of blocks
 // walks (chosen expert, row block) work items. With 256 experts a pass of one row
 // chooses 6, so 250 experts' weights are neither read nor visited.
-// List layout (int32): [0] = number of chosen experts n; entry u (0 <= u < n) at
-// 1 + u * EL_STRIDE = {expert id, pair count, lt_0 .. lt_{count-1}} with lt = l*kk + t,
-// experts in ascending id order.
-#define EL_STRIDE (2 + SO_LANES)
+// List layout (int32): [0] = number of entries n; entry u (0 <= u < n) at
+// 1 + u * EL_STRIDE = {expert id, pair count, lt_0 .. lt_{count-1}} with lt = l*kk + t.
+// An expert chosen by more than EL_PAIRS lanes (a prompt pass) gets several entries, one
+// per EL_PAIRS of its pairs; entries are in ascending expert id, an expert's pairs in lane
+// order, so an expert's entries sit side by side and read its rows at about the same time.
+#define EL_STRIDE (2 + EL_PAIRS)
 
 // One block of 256 threads; E <= 1024.
-extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int kk,
-                                            int E, int* __restrict__ list) {
+extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int L,
+                                            int kk, int E, int* __restrict__ list) {
     __shared__ int cnt[1024];
+    __shared__ int first[1024];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int c = 0;
-        for (int l = 0; l < SO_LANES; ++l) {
+        for (int l = 0; l < L; ++l) {
             if (slot[l] < 0) continue;
             for (int t = 0; t < kk; ++t)
                 if (ids[l * kk + t] == e) { ++c; break; }
@@ -88,24 +94,30 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int u = 0;  // entries of the experts before e
+        for (int j = 0; j < e; ++j) u += (cnt[j] + EL_PAIRS - 1) / EL_PAIRS;
+        first[e] = u;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
         if (cnt[e] == 0) continue;
-        int u = 0;  // rank among the chosen: ascending expert id
-        for (int j = 0; j < e; ++j) u += cnt[j] > 0 ? 1 : 0;
-        int* ent = list + 1 + u * EL_STRIDE;
-        ent[0] = e;
-        ent[1] = cnt[e];
         int c = 0;
-        for (int l = 0; l < SO_LANES; ++l) {
+        for (int l = 0; l < L; ++l) {
             if (slot[l] < 0) continue;
             for (int t = 0; t < kk; ++t)
-                if (ids[l * kk + t] == e) { ent[2 + c++] = l * kk + t; break; }
+                if (ids[l * kk + t] == e) {
+                    int* ent = list + 1 + (first[e] + c / EL_PAIRS) * EL_STRIDE;
+                    if (c % EL_PAIRS == 0) {
+                        ent[0] = e;
+                        ent[1] = cnt[e] - c < EL_PAIRS ? cnt[e] - c : EL_PAIRS;
+                    }
+                    ent[2 + c % EL_PAIRS] = l * kk + t;
+                    ++c;
+                    break;
+                }
         }
     }
-    if (threadIdx.x == 0) {
-        int n = 0;
-        for (int e = 0; e < E; ++e) n += cnt[e] > 0 ? 1 : 0;
-        list[0] = n;
-    }
+    if (threadIdx.x == 0) list[0] = first[E - 1] + (cnt[E - 1] + EL_PAIRS - 1) / EL_PAIRS;
 }
 
 // Grid (any number of blocks): block b takes work items b, b + gridDim.x, ... of
@@ -118,8 +130,8 @@ template <int WT, int R, int U>
 __device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
                          const int* __restrict__ list, float* __restrict__ y, int N, int K, int kk) {
     __shared__ float4 xs4[MV3_XS / 4];
-    __shared__ const float* xrow[SO_LANES];
-    __shared__ long long ybase[SO_LANES];
+    __shared__ const float* xrow[EL_PAIRS];
+    __shared__ long long ybase[EL_PAIRS];
     int n_items = list[0] * ((N + MV3_WARPS * R - 1) / (MV3_WARPS * R));
     int rblocks = (N + MV3_WARPS * R - 1) / (MV3_WARPS * R);
     long long rb = mv3_row_bytes(WT, K);
@@ -163,9 +175,9 @@ STEP_EXPERTS3(step_experts3_mxfp4_r2, WT_MXFP4, 2, MV3_U_LOWBIT)
 
 // y[l] = sum_t w[l, t] * down[l, t] (t ascending = expert ids ascending) + shared[l].
 extern "C" __global__ void step_moe_combine(const float* down, const float* w, const float* shared, float* y,
-                                            int kk, int d) {
+                                            int L, int kk, int d) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)SO_LANES * d) return;
+    if (idx >= (long long)L * d) return;
     int l = (int)(idx / d), e = (int)(idx % d);
     float acc = 0.0f;
     for (int t = 0; t < kk; ++t) acc += w[l * kk + t] * down[((long long)l * kk + t) * d + e];
@@ -173,13 +185,15 @@ extern "C" __global__ void step_moe_combine(const float* down, const float* w, c
 }
 
 // hc head per lane: r = 1/sqrt(mean(f^2) + eps), pre = sigmoid(mix * r * scale + base) + hc_eps,
-// out = sum_k pre_k * streams[k]. mix = f @ fn.T comes from the matvec kernel. Grid (16).
+// out = sum_k pre_k * streams[k]. mix = f @ fn.T comes from the matvec kernel. Grid (lanes).
+// Rows with from[l] < 0 (no row to emit) are skipped.
 extern "C" __global__ void step_hc_head(const float* streams, const float* mix, const float* base,
                                         const float* scale, int hc, int d, float rms_eps, float hc_eps,
-                                        float* out) {
+                                        const int* from, float* out) {
     __shared__ float scratch[32];
     __shared__ float pre[16];
     int l = blockIdx.x;
+    if (from[l] < 0) return;
     const float* f = streams + (long long)l * hc * d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
@@ -195,6 +209,15 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
         for (int k = 0; k < hc; ++k) acc += pre[k] * f[(long long)k * d + e];
         out[(long long)l * d + e] = acc;
     }
+}
+
+// dst[e] = src[from[e]] for the rows e < L with from[e] >= 0 (n floats a row): the rows
+// that emit, gathered to the front so the head runs on as many lane groups as emit.
+extern "C" __global__ void step_gather_rows(const float* __restrict__ src, const int* __restrict__ from,
+                                            float* __restrict__ dst, int n) {
+    int e = blockIdx.x, l = from[e];
+    if (l < 0) return;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[(long long)e * n + i] = src[(long long)l * n + i];
 }
 
 __device__ __forceinline__ ds4_u64 so_mix(ds4_u64 z) {  // splitmix64's finaliser

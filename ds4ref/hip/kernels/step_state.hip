@@ -1,6 +1,7 @@
 // Kernels of the HIP backend's gathered pass that touch the per-slot and paged state.
 //
-// One pass holds up to 16 lanes (rows). Several lanes may belong to one slot
+// One pass holds L lanes (rows): 16 for a decode pass, more for a prompt pass (the
+// kernels take L as an argument or as their grid). Several lanes may belong to one slot
 // (consecutive positions). Every kernel here reads the state as it was BEFORE
 // the pass plus the pass's own per-lane buffers ("snapshot + pass"), and the
 // state is written back only by the commit kernels at the end of each layer.
@@ -8,7 +9,7 @@
 // (taken from the pass buffers) and never a later lane's writes, whatever the
 // order the GPU runs blocks in. This is what lets one kernel serve all lanes.
 //
-// Per-lane inputs (int32[16] each, written by the host before every replay):
+// Per-lane inputs (int32[L] each, written by the host before every replay):
 //   slot    -1 for a padding lane
 //   pos     the lane's position
 //   pstart  position of the slot's first lane in this pass
@@ -16,8 +17,6 @@
 //   last    position of the slot's last lane in this pass
 //   nvis    compressed rows visible to the lane for a given ratio: (pos + 1) / ratio
 #include "ds4_hip.h"
-
-#define ST_LANES 16
 
 // ---- stored rows: float32, or the compact lossless form of official numerics ----
 // docs/paging.md defines the bytes (ds4ref/paging/compact.py is the host side):
@@ -136,8 +135,8 @@ __device__ void row_put(ds4_u8* dst, const float* v, const RowFmt& f) {
 // ---- compressor: candidates of the window a lane completes ----------------
 
 struct CompArgs {
-    const float* proj_kv;   // (16, CW) this pass's a @ kv.T, CW = coff * D
-    const float* proj_sc;   // (16, CW) this pass's a @ gate.T (ape not yet added)
+    const float* proj_kv;   // (L, CW) this pass's a @ kv.T, CW = coff * D
+    const float* proj_sc;   // (L, CW) this pass's a @ gate.T (ape not yet added)
     const float* ape;       // (ratio, CW)
     const float* cur_kv;    // (n_slots, ratio, CW) state before the pass
     const float* cur_sc;
@@ -168,14 +167,14 @@ __device__ __forceinline__ void comp_fetch(const CompArgs& a, int slot, int psta
 // (the next prev state) to nprev_kv/sc, and emit_pos = the window's first position.
 extern "C" __global__ void step_comp_gather(const float* proj_kv, const float* proj_sc, const float* ape,
                                             const float* cur_kv, const float* cur_sc, const float* prev_kv,
-                                            const float* prev_sc, int ratio, int D, int coff,
+                                            const float* prev_sc, int ratio, int D, int coff, int L,
                                             const int* slot, const int* pos, const int* pstart,
                                             const int* flane, float* cand_kv, float* cand_sc,
                                             float* nprev_kv, float* nprev_sc, int* emit_pos) {
     CompArgs a = {proj_kv, proj_sc, ape, cur_kv, cur_sc, ratio, coff * D};
     int C = ratio == 4 ? 8 : ratio;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)ST_LANES * C * D) return;
+    if (idx >= (long long)L * C * D) return;
     int d = (int)(idx % D);
     int c = (int)((idx / D) % C);
     int l = (int)(idx / ((long long)D * C));
@@ -232,10 +231,11 @@ extern "C" __global__ void step_comp_store(const float* rows, ds4_u8* store, con
 extern "C" __global__ void step_comp_commit(const float* proj_kv, const float* proj_sc, const float* ape,
                                             float* cur_kv, float* cur_sc, const float* nprev_kv,
                                             const float* nprev_sc, float* prev_kv, float* prev_sc, int ratio,
-                                            int D, int coff, const int* slot, const int* pos, const int* last) {
+                                            int D, int coff, int L, const int* slot, const int* pos,
+                                            const int* last) {
     int CW = coff * D;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)ST_LANES * CW) return;
+    if (idx >= (long long)L * CW) return;
     int col = (int)(idx % CW), l = (int)(idx / CW);
     int s = slot[l], p = pos[l], lp = last[l];
     if (s < 0) return;
@@ -318,12 +318,12 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #define AT_DPL (AT_DMAX / DS4_WARP)
 
 struct KeySrc {
-    const float* pass_kv;  // (16, D) this pass's roped KV rows
+    const float* pass_kv;  // (L, D) this pass's roped KV rows
     const ds4_u8* ring;    // this layer's ring rows (format fmt); slot stride ring_stride bytes
     long long ring_stride;
     const ds4_u8* store;   // compressed rows of this layer (n_pages, per, row), or null
     const int* btab;
-    const int* sel;        // (16, ksel) selected row indices (ascending, -1 padded) or null = all
+    const int* sel;        // (L, ksel) selected row indices (ascending, -1 padded) or null = all
     int maxp, per, ksel, W, D;
     RowFmt fmt;
 };
