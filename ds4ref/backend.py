@@ -1,15 +1,19 @@
 """The one boundary between the engine and compute: the backend protocol.
 
 A backend owns the physical storage for every slot's paged decode state and
-executes one gathered pass of at most MAX_ROWS rows. A row is one token
-position of one slot. Every decoding slot contributes one row; a prompt may
-contribute several consecutive positions as several rows of the same pass,
-and those rows see their earlier rows' KV, compressor emissions and indexer
-rows exactly as if they had been fed one pass at a time.
+executes one gathered pass of at most `max_rows` rows (the backend's largest
+capacity; PREFILL_ROWS unless it says otherwise). A row is one token position
+of one slot. Every decoding slot contributes one row; a prompt may contribute
+a chunk of consecutive positions as several rows of the same pass, beside
+other prompts' chunks (chunked prefill), and those rows see their earlier
+rows' KV, compressor emissions and indexer rows exactly as if they had been
+fed one pass at a time.
 
-Shapes are capacity-padded (always MAX_ROWS row slots, unused ones marked
-invalid) so a device backend can capture one graph and replay it whatever the
-number of live rows.
+Plans are capacity-padded (unused row slots marked invalid) to the smallest
+of MAX_ROWS and max_rows that holds them, so a decode-only pass keeps the
+16-lane shape. The padding is only a host convention: a device backend reads
+plan.rows() and picks its own captured graph (capacity bucket) for that many
+rows.
 """
 from __future__ import annotations
 
@@ -18,8 +22,17 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-MAX_ROWS = 16
+MAX_ROWS = 16        # decode lanes: the most decoding sequences one pass serves (the 16-lane gathered pass)
+PREFILL_ROWS = 256   # the default most rows of one pass: decode rows plus prompt chunks
 PAGE_TOKENS = 128
+
+
+def capacity(n_rows: int, max_rows: int) -> int:
+    """Row slots a plan of n_rows is padded to under a backend of max_rows: MAX_ROWS when
+    that holds it, else max_rows."""
+    if n_rows > max_rows:
+        raise ValueError(f"a pass holds at most {max_rows} rows, got {n_rows}")
+    return min(MAX_ROWS, max_rows) if n_rows <= MAX_ROWS else max_rows
 
 
 @dataclass(frozen=True)
@@ -40,16 +53,16 @@ class Row:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A gathered pass, padded to MAX_ROWS rows.
+    """A gathered pass, padded to `capacity(n_rows, max_rows)` row slots.
 
     Rows of one slot must be consecutive positions in increasing order; the
     backend processes them in that order.
     """
-    slots: np.ndarray        # int32[MAX_ROWS]; -1 marks a padding row
-    positions: np.ndarray    # int32[MAX_ROWS]
-    tokens: np.ndarray       # int32[MAX_ROWS]
-    want_logits: np.ndarray  # bool[MAX_ROWS]
-    emit: np.ndarray         # bool[MAX_ROWS]
+    slots: np.ndarray        # int32[capacity]; -1 marks a padding row
+    positions: np.ndarray    # int32[capacity]
+    tokens: np.ndarray       # int32[capacity]
+    want_logits: np.ndarray  # bool[capacity]
+    emit: np.ndarray         # bool[capacity]
 
     @property
     def n_rows(self) -> int:
@@ -61,9 +74,9 @@ class StepPlan:
                 if s >= 0]
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Row], max_rows: int = MAX_ROWS) -> "StepPlan":
-        if len(rows) > max_rows:
-            raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
+    def from_rows(cls, rows: Sequence[Row], max_rows: int = PREFILL_ROWS) -> "StepPlan":
+        """The plan of rows for a backend whose passes hold at most max_rows rows."""
+        n = capacity(len(rows), max_rows)
         last: dict[int, int] = {}
         for r in rows:
             if r.want_logits and not r.emit:
@@ -72,11 +85,11 @@ class StepPlan:
                 raise ValueError(f"rows of slot {r.slot} are not consecutive positions: "
                                  f"{last[r.slot]} then {r.position}")
             last[r.slot] = r.position
-        slots = np.full(max_rows, -1, np.int32)
-        pos = np.zeros(max_rows, np.int32)
-        tok = np.zeros(max_rows, np.int32)
-        want = np.zeros(max_rows, bool)
-        emit = np.zeros(max_rows, bool)
+        slots = np.full(n, -1, np.int32)
+        pos = np.zeros(n, np.int32)
+        tok = np.zeros(n, np.int32)
+        want = np.zeros(n, bool)
+        emit = np.zeros(n, bool)
         for i, r in enumerate(rows):
             slots[i], pos[i], tok[i], want[i], emit[i] = r.slot, r.position, r.token, r.want_logits, r.emit
         return cls(slots, pos, tok, want, emit)
@@ -92,7 +105,7 @@ class StepResult:
 @runtime_checkable
 class Backend(Protocol):
     name: str
-    max_rows: int
+    max_rows: int  # the most rows one pass may hold (the largest capacity)
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         """Allocate storage for n_slots slots and a pool of n_pages pages."""

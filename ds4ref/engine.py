@@ -3,7 +3,10 @@
     eng = Engine(ds4ref.load(), max_concurrency=8)
     outs = eng.run([Request([0, 5, 9], max_new_tokens=20), ...])
 
-run() drives the Scheduler pass by pass until every request has finished.
+run() drives the Scheduler pass by pass until every request has finished. By
+default a pass holds as many rows as the backend takes and a lone prompt may
+fill it (chunked prefill); `prompt_quantum=1` is upstream's one-token-a-pass
+schedule, `max_batched_rows` bounds the pass. Tokens are the same either way.
 For tests it can also replay a timeline: `arrivals={i: pass}` submits
 request i just before that pass (default 0), `cancel_at={i: pass}` cancels it
 just before that pass.
@@ -19,17 +22,20 @@ from .scheduler.seq_engine import SeqEngine
 
 class Engine:
     def __init__(self, model, max_concurrency: int = 16, kv_pool_tokens: Optional[int] = None,
-                 prompt_quantum: int = 1, backend=None, *, max_context: Optional[int] = None,
-                 max_queue: Optional[int] = None, page_order_seed: Optional[int] = None):
+                 prompt_quantum: Optional[int] = None, backend=None, *, max_context: Optional[int] = None,
+                 max_queue: Optional[int] = None, page_order_seed: Optional[int] = None,
+                 max_batched_rows: Optional[int] = None):
         """model: what ds4ref.load() returns (.config, .make_backend(name)).
         backend: None for the model's own backend (numpy unless loaded for hip), a name
-        for model.make_backend, or a Backend instance."""
+        for model.make_backend, or a Backend instance. prompt_quantum, max_batched_rows:
+        the Scheduler's (None: the backend's whole pass)."""
         if backend is None or isinstance(backend, str):
             backend = model.make_backend(backend)
         self.model = model
         self.seq_engine = SeqEngine(backend, model.config, max_concurrency, kv_pool_tokens,
                                     max_context=max_context, page_order_seed=page_order_seed)
-        self.scheduler = Scheduler(self.seq_engine, max_queue=max_queue, prompt_quantum=prompt_quantum)
+        self.scheduler = Scheduler(self.seq_engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
+                                   max_batched_rows=max_batched_rows)
         self.events: list[Event] = []                 # everything the last run() saw
         self.finishes: list[Optional[FinishEvent]] = []  # per request of the last run()
 

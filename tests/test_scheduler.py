@@ -52,7 +52,8 @@ workloads = st.integers(1, 10).flatmap(lambda n: st.tuples(
     st.lists(st.integers(0, 30), min_size=n, max_size=n),                    # arrival pass
     st.lists(st.one_of(st.none(), st.integers(0, 60)), min_size=n, max_size=n),  # cancel pass
     st.integers(1, 16),                                                      # max_concurrency
-    st.sampled_from([1, 2, 5, 16]),                                          # prompt_quantum
+    st.sampled_from([1, 2, 5, 16, None]),                                    # prompt_quantum
+    st.one_of(st.none(), st.integers(0, 40)),                                # pass rows beyond the decoders'
     st.one_of(st.none(), st.integers(700, 3000)),                            # kv_pool_tokens
     st.integers(0, 1000)))                                                   # page order seed
 
@@ -60,10 +61,11 @@ workloads = st.integers(1, 10).flatmap(lambda n: st.tuples(
 @settings(max_examples=80, deadline=None)
 @given(workloads)
 def test_every_request_gets_its_solo_tokens(w):
-    specs, arrive, cancel, conc, quantum, pool_tokens, order = w
+    specs, arrive, cancel, conc, quantum, spare_rows, pool_tokens, order = w
     reqs = [Request(prompt(n, i), m, ignore_eos=ign, stop_ids=tuple(stops))
             for i, (n, m, ign, stops) in enumerate(specs)]
     eng = Engine(toy_model(), max_concurrency=conc, kv_pool_tokens=pool_tokens, prompt_quantum=quantum,
+                 max_batched_rows=None if spare_rows is None else conc + spare_rows,
                  backend="hash", page_order_seed=order)
     cancel_at = {i: c for i, c in enumerate(cancel) if c is not None}
     outs = eng.run(reqs, arrivals=dict(enumerate(arrive)), cancel_at=cancel_at)
@@ -77,7 +79,7 @@ def test_every_request_gets_its_solo_tokens(w):
         else:
             assert (out, fin.reason) == (want, why)
     for plan in eng.seq_engine.backend.passes:
-        assert plan.n_rows <= 16
+        assert plan.n_rows <= eng.scheduler.max_batched_rows
     check_balanced(eng)
 
 
@@ -106,8 +108,8 @@ def test_exact_mode_gives_every_live_sequence_one_row_per_pass():
 
 
 def test_decoders_run_every_pass_and_prompts_share_the_rest_without_starving():
-    # 10 decoders leave 6 rows; 3 prompts with quantum 4 want 12: the start rotates.
-    eng = Engine(toy_model(), 16, prompt_quantum=4, backend="hash")
+    # 10 decoders leave 6 rows of a 16-row pass; 3 prompts with quantum 4 want 12: the start rotates.
+    eng = Engine(toy_model(), 16, prompt_quantum=4, max_batched_rows=16, backend="hash")
     decoders = [Request(prompt(1, i), 40, ignore_eos=True) for i in range(10)]
     prompts = [Request(prompt(60, 50 + i), 1, ignore_eos=True) for i in range(3)]
     eng.run(decoders + prompts, arrivals={10 + i: 2 for i in range(3)})
@@ -244,7 +246,8 @@ class DroppingBackend(HashBackend):
 
 
 def test_a_broken_pass_fails_its_cohort_loudly_and_the_rest_goes_on():
-    eng = Engine(toy_model(backend_cls=DroppingBackend), 4, backend="hash")
+    # one prompt row a pass: three prompts make a broken pass, a lone request only unbroken ones
+    eng = Engine(toy_model(backend_cls=DroppingBackend), 4, prompt_quantum=1, backend="hash")
     sch = eng.scheduler
     ids = [sch.submit(Request(prompt(4, i), 5, ignore_eos=True)) for i in range(3)]
     with pytest.raises(CohortFailed) as err:
@@ -345,7 +348,8 @@ def test_seq_engine_admit_outcomes_and_bad_plans_change_nothing():
     assert (a.status, b.status) == ("admitted", "admitted") and a.slot != b.slot
     assert eng.admit(Request(prompt(3), 4)).status == "busy"
     before = (eng.seqs[a.slot].fed, eng.pool.used_pages, len(be.passes))
-    for bad in ([Work(a.slot, 4)], [Work(7, 1)], [Work(a.slot, 1), Work(a.slot, 1)], [Work(b.slot, 17)]):
+    over_a_pass = Work(b.slot, be.max_rows + 1)  # within b's 300-row prompt, but more than a pass holds
+    for bad in ([Work(a.slot, 4)], [Work(7, 1)], [Work(a.slot, 1), Work(a.slot, 1)], [over_a_pass]):
         with pytest.raises(ValueError):
             eng.step(bad)
         assert (eng.seqs[a.slot].fed, eng.pool.used_pages, len(be.passes)) == before

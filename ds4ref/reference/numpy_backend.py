@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
@@ -55,7 +55,7 @@ class PagedSeqView:
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, model, max_rows: int = PREFILL_ROWS) -> None:
         self.model, self.cfg, self.dtype = model, model.config, model.dtype
         self.max_rows = max_rows
         self.storage = kv_storage(self.dtype, model.numerics)  # how KV / indexer rows are held

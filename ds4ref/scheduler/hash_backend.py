@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import MAX_ROWS, PAGE_TOKENS, StepPlan, StepResult
+from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
 
 
 class ProtocolError(AssertionError):
@@ -26,10 +26,9 @@ class ProtocolError(AssertionError):
 
 class HashBackend:
     name = "hash"
-    max_rows = MAX_ROWS
 
-    def __init__(self, vocab_size: int = 32):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int = 32, max_rows: int = PREFILL_ROWS):
+        self.vocab_size, self.max_rows = vocab_size, max_rows
         self.passes: list[StepPlan] = []  # every plan seen, for tests to inspect
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
@@ -64,6 +63,8 @@ class HashBackend:
         return np.random.default_rng(seed).standard_normal(self.vocab_size).astype(np.float32)
 
     def step(self, plan: StepPlan) -> StepResult:
+        if plan.n_rows > self.max_rows:
+            raise ProtocolError(f"a pass of {plan.n_rows} rows; this backend holds at most {self.max_rows}")
         self.passes.append(plan)
         logits, argmax = [], []
         for r in plan.rows():

@@ -11,16 +11,20 @@ One call to step() is one gathered pass:
      is exact because prefill equals decode bitwise). A request therefore ends
      only at max_tokens, a stop, EOS or the context limit, never because the
      pool ran dry; one that could not fit even alone is refused at submit;
-  3. plan rows: one row for every decoding slot that can get its next page,
-     oldest first, then the free rows dealt to prompts, oldest first from a
-     start that rotates every pass, at most `prompt_quantum` rows each;
+  3. plan rows (chunked prefill): one row for every decoding slot that can get
+     its next page, oldest first, then the rest of the pass's `max_batched_rows`
+     dealt to prompts, oldest first from a start that rotates every pass, at
+     most `prompt_quantum` rows each;
   4. run the pass, check every planned slot got exactly one outcome;
   5. turn tokens into events and finish sequences on EOS / stop ids / length.
 
+Decode rows go first and max_batched_rows >= max_concurrency, so a prompt never
+takes a decoder's row: a long prompt only bounds how long a pass takes, which
+max_batched_rows (vLLM's max_num_batched_tokens) caps. prompt_quantum defaults
+to the pass size, so a lone prompt takes every row its pass has left;
 prompt_quantum=1 is upstream's exact mode (one prompt token per prompt per
-pass); a larger quantum gives a prompt more of the free rows. Both give the
-same tokens: the backend makes several rows of one slot in one pass exactly
-equal to one row per pass.
+pass). All give the same tokens: the backend makes several rows of one slot in
+one pass exactly equal to one row per pass.
 
 submit() and cancel() may be called from another thread at any time; they
 only touch the waiting queue and the cancel set, under a lock, and step()
@@ -55,10 +59,16 @@ class CohortFailed(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, engine: SeqEngine, max_queue: Optional[int] = None, prompt_quantum: int = 1):
+    def __init__(self, engine: SeqEngine, max_queue: Optional[int] = None, prompt_quantum: Optional[int] = None,
+                 max_batched_rows: Optional[int] = None):
         """max_queue: requests that may wait beyond those the free slots will take at the
-        next pass (None = unbounded). prompt_quantum: most prompt rows one sequence gets
-        per pass (1 = upstream's exact mode)."""
+        next pass (None = unbounded). max_batched_rows: most rows of one pass, decode rows
+        included (None = the backend's max_rows); it bounds a pass's time, hence decoders'
+        inter-token latency while a long prompt runs. prompt_quantum: most prompt rows one
+        sequence gets per pass (None = max_batched_rows; 1 = upstream's exact mode)."""
+        self.max_batched_rows = batched_rows(engine, max_batched_rows)
+        if prompt_quantum is None:
+            prompt_quantum = self.max_batched_rows
         if prompt_quantum < 1:
             raise ValueError(f"prompt_quantum must be >= 1, got {prompt_quantum}")
         if max_queue is not None and max_queue < 0:
@@ -188,24 +198,34 @@ class Scheduler:
 
     def _plan(self) -> list[Work]:
         live = self.engine.live()
-        budget, rows_left, work = self.engine.free_pages, self.engine.max_rows, []
+        work, budget = self._plan_decoders(live)
+        return work + self._plan_prompts(live, budget, self.max_batched_rows - len(work))
+
+    def _plan_decoders(self, live: list[Seq]) -> tuple[list[Work], int]:
+        """One row per decoder that can get its next page, and the free pages left."""
+        budget, work = self.engine.free_pages, []
         for s in live:
             if not s.prompting:
                 cost = self.engine.free_page_cost(s.slot, 1)
                 if cost <= budget:  # otherwise it stalls until a page frees up
                     work.append(Work(s.slot, 1))
-                    budget, rows_left = budget - cost, rows_left - 1
-        prompts = [s for s in live if s.prompting]
-        if prompts:
-            start = self._rotation % len(prompts)
-            self._rotation += 1
-            for s in prompts[start:] + prompts[:start]:
-                n = min(self.prompt_quantum, s.prompt_left, rows_left)
-                while n and self.engine.free_page_cost(s.slot, n) > budget:
-                    n -= 1  # prompts hold reservations, so this only guards the invariant
-                if n:
-                    work.append(Work(s.slot, n))
-                    budget, rows_left = budget - self.engine.free_page_cost(s.slot, n), rows_left - n
+                    budget -= cost
+        return work, budget
+
+    def _plan_prompts(self, live: list[Seq], budget: int, rows_left: int) -> list[Work]:
+        """The pass's remaining rows dealt to prompts as chunks, from a rotating start."""
+        prompts, work = [s for s in live if s.prompting], []
+        if not prompts:
+            return work
+        start = self._rotation % len(prompts)
+        self._rotation += 1
+        for s in prompts[start:] + prompts[:start]:
+            n = min(self.prompt_quantum, s.prompt_left, rows_left)
+            while n and self.engine.free_page_cost(s.slot, n) > budget:
+                n -= 1  # prompts hold reservations, so this only guards the invariant
+            if n:
+                work.append(Work(s.slot, n))
+                budget, rows_left = budget - self.engine.free_page_cost(s.slot, n), rows_left - n
         return work
 
     def _check(self, work: list[Work], outcomes: list[Outcome]) -> None:
@@ -264,3 +284,17 @@ class Scheduler:
                 self._running.pop(s.request.req_id, None)
                 events.append(FinishEvent(s.request.req_id, "error", s.prompt_len, len(s.generated), msg))
         return events
+
+
+def batched_rows(engine: SeqEngine, max_batched_rows: Optional[int]) -> int:
+    """The pass size: the backend's max_rows by default; never below max_concurrency, so
+    every decoder gets its row in every pass (vLLM likewise wants max_num_batched_tokens >=
+    max_num_seqs)."""
+    n = engine.max_rows if max_batched_rows is None else max_batched_rows
+    if not 1 <= n <= engine.max_rows:
+        raise ValueError(f"max_batched_rows must be in 1..{engine.max_rows} (the most rows one pass "
+                         f"of the {engine.backend.name} backend holds), got {n}")
+    if n < engine.max_concurrency:
+        raise ValueError(f"max_batched_rows ({n}) must be at least max_concurrency ({engine.max_concurrency}): "
+                         f"every decoding sequence needs its row in every pass")
+    return n

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..cli import plural
-from ..backend import PAGE_TOKENS, Backend, Row, StepPlan, StepResult
+from ..backend import MAX_ROWS, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
 from .request import Request
@@ -97,12 +97,15 @@ class SeqEngine:
     def __init__(self, backend: Backend, config, max_concurrency: int = 16,
                  kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
                  max_context: Optional[int] = None, page_order_seed: Optional[int] = None):
-        """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them)."""
-        if not 1 <= max_concurrency <= backend.max_rows:
-            raise ValueError(f"max_concurrency must be in 1..{backend.max_rows}, got {max_concurrency}")
+        """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them).
+        max_concurrency: live sequences, at most the decode lanes (MAX_ROWS, or the backend's
+        max_rows if smaller), since every one of them may be decoding in the same pass."""
+        lanes = min(MAX_ROWS, backend.max_rows)
+        if not 1 <= max_concurrency <= lanes:
+            raise ValueError(f"max_concurrency must be in 1..{lanes} (decode lanes), got {max_concurrency}")
         self.backend = backend
         self.config = config
-        self.max_rows = backend.max_rows
+        self.max_rows = backend.max_rows  # the most rows of one pass
         self.max_concurrency = max_concurrency
         self.max_context = int(max_context or config.context_length)
         if not 1 < self.max_context <= config.context_length:

@@ -8,16 +8,18 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-MAX_LANES = 16
+from ..backend import MAX_ROWS as MAX_LANES  # decode lanes: one pass serves every decoding sequence
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
                 kv_pool_tokens: Optional[int] = None, max_context: Optional[int] = None,
                 max_queue: Optional[int] = None, served_model_name: Optional[str] = None,
-                max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: int = 1,
+                max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: Optional[int] = None,
                 numerics: str = "official", api_key: Optional[str] = None,
-                allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None):
-    """A ServerState with a stopped Runner (the app's lifespan starts it)."""
+                allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
+                max_batched_rows: Optional[int] = None):
+    """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
+    max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass)."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -26,13 +28,15 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     from .metrics import Metrics
     from .runner import Runner
 
-    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context)
+    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
+                                  max_batched_rows)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
     model = from_file(model_file, backend=backend, numerics=numerics)
     context = plan.context
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context)
-    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum)
+    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
+                          max_batched_rows=max_batched_rows)
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
@@ -42,23 +46,28 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     describe = getattr(engine.backend, "describe", None)
     state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
-                    f"{max_concurrency} lanes, {engine.pool.n_pages} KV pages of {engine.pool.page_tokens} "
-                    f"tokens, context {context} tokens, max queue "
+                    f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
+                    f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
+                    f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}")
     state.plan = summary(plan)
     return state
 
 
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
-               kv_pool_tokens: Optional[int], max_context: Optional[int]):
+               kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None):
     """The opened model file (header only) and the memory plan of serving it with these
-    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing."""
+    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
+    (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
     from ..gguf_io import open_gguf
     from ..paging.plan import backend_storage, make_plan, weight_bytes
     from ..tiny import default_model_path
 
     if not 1 <= max_concurrency <= MAX_LANES:
         raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
+    if max_batched_rows is not None and max_batched_rows < max_concurrency:
+        raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at least --max-concurrency "
+                         f"({max_concurrency}): every decoding request needs its row in every pass")
     if kv_pool_tokens is not None and max_concurrency == 1:
         raise ValueError("--kv-pool-tokens needs --max-concurrency > 1: a single lane always gets "
                          "a pool for its whole context")
@@ -99,10 +108,11 @@ def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
 
 def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
             kv_pool_tokens: Optional[int], max_context: Optional[int],
-            memory_budget: Optional[int]) -> tuple[str, Optional[str]]:
+            memory_budget: Optional[int], max_batched_rows: Optional[int] = None) -> tuple[str, Optional[str]]:
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
-    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context)
+    model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
+                                  max_batched_rows)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available))

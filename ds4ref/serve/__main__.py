@@ -10,6 +10,7 @@ import socket
 import sys
 from ..cli import HelpFormatter
 
+from ..backend import PREFILL_ROWS
 from . import MAX_LANES
 
 
@@ -25,7 +26,7 @@ def _int_in(text: str, lo: int, hi: int | None, why: str = "") -> int:
 
 
 def lanes(text: str) -> int:
-    return _int_in(text, 1, MAX_LANES, f" (one pass holds {MAX_LANES} rows)")
+    return _int_in(text, 1, MAX_LANES, f" (one pass serves at most {MAX_LANES} decoding requests)")
 
 
 def positive(text: str) -> int:
@@ -76,8 +77,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=non_negative, default=None,
                    help="requests allowed to wait for a lane; more get 503 (default: unbounded)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: general.name)")
-    p.add_argument("--prompt-quantum", type=positive, default=1,
-                   help="prompt rows a prefilling request may take per pass (1 = upstream's exact mode)")
+    p.add_argument("--max-batched-rows", type=positive, default=None,
+                   help="most rows of one pass, decode rows included (vLLM's max_num_batched_tokens): bounds "
+                        "how long a pass takes, so decoders' inter-token latency while a long prompt prefills; "
+                        f"at least --max-concurrency (default: the backend's largest pass, {PREFILL_ROWS} for numpy)")
+    p.add_argument("--prompt-quantum", type=positive, default=None,
+                   help="prompt rows a prefilling request may take per pass (default: the whole pass, chunked "
+                        "prefill; 1 = upstream's exact mode). Tokens are identical either way")
     p.add_argument("--max-pending-events", type=positive, default=1024,
                    help="unread events a client may fall behind before its request is cancelled")
     p.add_argument("--stall-timeout", type=float, default=30.0,
@@ -120,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         state = build_state(args.model, args.backend, args.max_concurrency, args.kv_pool_tokens,
                             args.max_context, args.max_queue, args.served_model_name,
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
-                            api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget)
+                            api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
+                            max_batched_rows=args.max_batched_rows)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
@@ -134,7 +141,7 @@ def _dry_run(args) -> int:
     from . import dry_run
     try:
         text, refusal = dry_run(args.model, args.backend, args.numerics, args.max_concurrency, args.kv_pool_tokens,
-                                args.max_context, args.memory_budget)
+                                args.max_context, args.memory_budget, args.max_batched_rows)
     except Exception as e:  # a bad flag combination, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2
