@@ -42,7 +42,7 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 
 I32, F32, F64 = np.int32, np.float32, np.float64
-# rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
+# rows per warp of the v3 routed-expert kernel (1, 2; 4 but for f32/f16), in a decode pass and in a
 # prompt pass (whose entries carry more lanes: more rows per block stage their inputs less often)
 EXPERT_RPW = int(os.environ.get("DS4REF_EXPERT_RPW", "2"))
 PREFILL_EXPERT_RPW = int(os.environ.get("DS4REF_PREFILL_EXPERT_RPW", "4"))
@@ -514,8 +514,7 @@ class HipBackend:
     def _experts(self, rec, name, x, per_choice, y) -> None:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
-        want = PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW
-        r = want if t.wtype in ("bf16",) or want <= 2 else 2
+        r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,
                                 self.cfg.n_expert_used)
 

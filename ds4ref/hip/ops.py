@@ -358,8 +358,7 @@ def ksplit_floats(rows: int, cols: int, L: int = MAX_LANES) -> int:
 def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
     """Rows per warp. v2: only r1 is chosen (r2/r4 tested but slower on the H200: 202
     registers for r4). v3: by the matrix's row count (RPW3_POLICY: the smallest row count
-    from which each R is used), and for a prompt pass (L > 16) PREFILL_RPW, where every
-    block re-stages its lane group's activations, so more rows a block stage less;
+    from which each R is used), and for a prompt pass (L > 16) PREFILL_RPW for every matrix;
     DS4REF_MATVEC_RPW forces one for experiments. The choice never changes a result."""
     forced = os.environ.get("DS4REF_MATVEC_RPW")
     if forced:
@@ -380,7 +379,10 @@ def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
 # measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
 # r2 above at 1 and 16 lanes; r4 (208 registers, one block per SM) never won
 RPW3_POLICY = ((2, 2049),)
-PREFILL_RPW = int(os.environ.get("DS4REF_PREFILL_RPW", "4"))
+# a prompt pass's dense matvecs: r2 for every matrix (r1 would stage each lane group's inputs
+# for 8 rows only; r4 measured slower: 208 registers, one block per multiprocessor; H200,
+# docs/performance.md "Prompt passes")
+PREFILL_RPW = int(os.environ.get("DS4REF_PREFILL_RPW", "2"))
 
 
 def ksplit_scratch(rt, dw: DeviceWeight, L: int = MAX_LANES) -> DeviceBuffer | None:
@@ -709,6 +711,15 @@ def expert_list_ints(n_expert: int, kk: int, L: int = MAX_LANES) -> int:
     An expert with c pairs takes ceil(c / 16) entries, so the chosen experts (at most
     min(E, L*kk)) take at most that many plus L*kk / 16."""
     return 1 + (min(n_expert, L * kk) + L * kk // EL_PAIRS) * EL_STRIDE
+
+
+# encodings with a 4-rows-per-warp routed-expert kernel (step_ops.hip); f32 and f16 stop at 2
+EXPERT_R4 = ("bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs", "mxfp4")
+
+
+def expert_rows_per_warp(wtype: str, want: int) -> int:
+    """The rows per warp a routed-expert launch of this encoding gets when `want` is asked."""
+    return want if want <= 2 or wtype in EXPERT_R4 else 2
 
 
 def expert_blocks(rt) -> int:
