@@ -18,6 +18,12 @@ settings.register_profile("ci", parent=settings.get_profile("ds4ref"), derandomi
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "ds4ref"))
 
 
+# pytest-xdist already runs one worker per core: one Numba thread each, or the reference's
+# parallel matmul would oversubscribe the cores (the sums do not depend on the thread count).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import numba
+    numba.set_num_threads(1)
+
 from skips import NO_GPU
 
 

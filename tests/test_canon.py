@@ -203,6 +203,27 @@ def test_attention_and_indexer_are_the_written_order(seed, heads, d, n):
         assert np.array_equal(got[r], canon.attention_with_sinks(q2[r], np.concatenate(rows[r]), sinks))
 
 
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31 - 1), n_rows=st.sampled_from([canon.PARALLEL_ROWS - 1, canon.PARALLEL_ROWS, 70]))
+def test_threaded_passes_equal_rows_alone(seed, n_rows):
+    """From PARALLEL_ROWS rows on, the products and attention run on Numba's threads: each
+    row's bits are still its own alone (which runs on one thread)."""
+    import numba
+    rng = np.random.default_rng(seed)
+    q, sinks, w = rnd(rng, n_rows, 2, 96), rnd(rng, 2), rnd(rng, 300, 96)
+    keys = [[rnd(rng, int(rng.integers(1, 40)), 96)] for _ in range(n_rows)]
+    x = q.reshape(n_rows, -1)[:, :96]
+    before = numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # a test worker runs on one; use them all here
+    try:
+        got, lin = canon.attention_rows(q, keys, sinks), canon.linear(x, w)
+    finally:
+        numba.set_num_threads(before)
+    for r in range(n_rows):
+        assert np.array_equal(got[r], canon.attention_rows(q[r:r + 1], keys[r:r + 1], sinks)[0])
+        assert np.array_equal(lin[r], canon.linear(x[r:r + 1], w)[0])
+
+
 @settings(max_examples=15)
 @given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 6), n=st.integers(2, 60), k=st.integers(1, 12),
        levels=st.sampled_from([0, 3]))

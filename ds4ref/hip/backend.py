@@ -42,7 +42,7 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 
 I32, F32, F64 = np.int32, np.float32, np.float64
-# rows per warp of the v3 routed-expert kernel (1, 2; 4 but for f32/f16), in a decode pass and in a
+# rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
 # prompt pass (whose entries carry more lanes: more rows per block stage their inputs less often)
 EXPERT_RPW = int(os.environ.get("DS4REF_EXPERT_RPW", "2"))
 PREFILL_EXPERT_RPW = int(os.environ.get("DS4REF_PREFILL_EXPERT_RPW", "4"))

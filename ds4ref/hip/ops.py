@@ -713,8 +713,10 @@ def expert_list_ints(n_expert: int, kk: int, L: int = MAX_LANES) -> int:
     return 1 + (min(n_expert, L * kk) + L * kk // EL_PAIRS) * EL_STRIDE
 
 
-# encodings with a 4-rows-per-warp routed-expert kernel (step_ops.hip); f32 and f16 stop at 2
-EXPERT_R4 = ("bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs", "mxfp4")
+# encodings with a 4-rows-per-warp routed-expert kernel (step_ops.hip). bf16 only: in a prompt
+# pass it took bf16 experts from 114.6 to 85.3 ms, but IQ2_XXS from 330.8 to 342.2 and Q2_K from
+# 154.9 to 171.0 ms (H200, docs/performance.md "Prompt passes"), so the others stop at 2
+EXPERT_R4 = ("bf16",)
 
 
 def expert_rows_per_warp(wtype: str, want: int) -> int:

@@ -162,15 +162,25 @@ def encode_kv_rows(rows: np.ndarray, n_rot: int) -> np.ndarray:
     return out
 
 
+@numba.njit(cache=True)
+def _kv_values(rows, nope, table, out):
+    """out[i, :nope] = the E4M3FN codes of rows[i] times 2^(exponent byte - 127) per block
+    (_grid_values over a row's own layout, one call for every row: rows are decoded every
+    pass, so the per-call cost counts)."""
+    for i in range(rows.shape[0]):
+        for j in range(nope):
+            e = np.int32(rows[i, nope + j // KV_BLOCK]) - EXP_BIAS
+            out[i, j] = np.float32(math.ldexp(np.float64(table[rows[i, j]]), e))
+
+
 def decode_kv_rows(data: np.ndarray, d: int, n_rot: int) -> np.ndarray:
     """uint8 (..., kv_row_bytes(D, n_rot)) -> float32 (..., D), exactly the encoded rows."""
     nope, lead = d - n_rot, data.shape[:-1]
-    nb = nope // KV_BLOCK
-    out = np.empty((*lead, d), F32)
-    values = _decode_blocks(_blocks(data[..., :nope], KV_BLOCK), _blocks(data[..., nope:nope + nb], 1), E4M3FN)
-    out[..., :nope] = values.reshape(*lead, nope)
-    out[..., nope:] = np.ascontiguousarray(data[..., data.shape[-1] - 4 * n_rot:]).view("<f4")
-    return out
+    rows = np.ascontiguousarray(data).reshape(-1, data.shape[-1])
+    out = np.empty((rows.shape[0], d), F32)
+    _kv_values(rows, nope, E4M3FN, out)
+    out[:, nope:] = rows[:, rows.shape[1] - 4 * n_rot:].copy().view("<f4")
+    return out.reshape(*lead, d)
 
 
 # ---- indexer rows -----------------------------------------------------------------------

@@ -246,28 +246,57 @@ def _lane_partials(wt, x, c0, clen, p, n_in):
 
 
 @numba.njit(cache=True)
+def _matmul_item(x, wb, rows, ks, y, b, a, p):
+    """Outputs y[a:a+2, block b's rows] (see _matmul)."""
+    n, k = x.shape
+    wt, bw = wb[b], wb.shape[2]
+    r0, rb = b * bw, min(bw, rows - b * bw)
+    n_in = min(2, n - a)
+    for c0 in range(0, k, ks):
+        live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in)
+        for e in range(n_in):
+            _butterfly_cols(p[e], live, rb)
+            for i in range(rb):
+                y[a + e, r0 + i] = y[a + e, r0 + i] + p[e, 0, i]
+
+
+@numba.njit(cache=True)
 def _matmul(x, wb, rows, ks):
     """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
     element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
     same order, the same butterfly, the slices summed in order; so a row's outputs do not
     depend on the other rows. The innermost loop runs over a block's weight rows
     (independent accumulators, vectorisable), for two input rows at a time."""
-    n, k = x.shape
-    nb, _, bw = wb.shape
+    n = x.shape[0]
     y = np.zeros((n, rows), np.float32)
-    p = np.empty((2, LANES, bw), np.float32)
-    for b in range(nb):
-        wt = wb[b]
-        r0, rb = b * bw, min(bw, rows - b * bw)
+    p = np.empty((2, LANES, wb.shape[2]), np.float32)
+    for b in range(wb.shape[0]):
         for a in range(0, n, 2):
-            n_in = min(2, n - a)
-            for c0 in range(0, k, ks):
-                live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in)
-                for e in range(n_in):
-                    _butterfly_cols(p[e], live, rb)
-                    for i in range(rb):
-                        y[a + e, r0 + i] = y[a + e, r0 + i] + p[e, 0, i]
+            _matmul_item(x, wb, rows, ks, y, b, a, p)
     return y
+
+
+@numba.njit(cache=True, parallel=True)
+def _matmul_par(x, wb, rows, ks):
+    """_matmul on all of Numba's threads: the items (weight block, input pair) write disjoint
+    outputs, so no sum depends on the thread or the order."""
+    n = x.shape[0]
+    y = np.zeros((n, rows), np.float32)
+    pairs = (n + 1) // 2
+    for item in numba.prange(wb.shape[0] * pairs):
+        p = np.empty((2, LANES, wb.shape[2]), np.float32)
+        _matmul_item(x, wb, rows, ks, y, item // pairs, (item % pairs) * 2, p)
+    return y
+
+
+# Passes of at least this many rows run the reference's products on all of Numba's threads;
+# a decode pass stays on one (the threads' start-up costs more than its rows: the embedded
+# model's decode at C = 1 went from 235 to 180 tok/s when every call ran threaded).
+PARALLEL_ROWS = 32
+
+
+def _matmul_for(n_rows: int):
+    return _matmul_par if n_rows >= PARALLEL_ROWS else _matmul
 
 
 def _blocks(w: np.ndarray) -> np.ndarray:
@@ -322,16 +351,16 @@ def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
     w = np.asarray(w, F32)
     k = x.shape[-1]
     ks = (ksplit(w.shape[0], k) if split else 0) or max(k, 1)
-    y = _matmul(x.reshape(-1, k), weight_blocks(w), w.shape[0], ks)
+    x2 = x.reshape(-1, k)
+    y = _matmul_for(x2.shape[0])(x2, weight_blocks(w), w.shape[0], ks)
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 @numba.njit(cache=True)
-def _swiglu(x, wb1, wb3, wb2, ff, d, ks_in, ks_ff, clamp):
-    g = _matmul(x, wb1, ff, ks_in)
-    u = _matmul(x, wb3, ff, ks_in)
+def _swiglu_act(g, u, clamp):
+    """g = silu(min(g, clamp)) * clip(u, +-clamp), in place."""
     for r in range(g.shape[0]):
-        for i in range(ff):
+        for i in range(g.shape[1]):
             gi, ui = g[r, i], u[r, i]
             if not gi < clamp and gi == gi:  # np.minimum(g, clamp): NaN stays NaN
                 gi = clamp
@@ -340,7 +369,6 @@ def _swiglu(x, wb1, wb3, wb2, ff, d, ks_in, ks_ff, clamp):
             if not ui < clamp and ui == ui:
                 ui = clamp
             g[r, i] = silu_f32(gi) * ui
-    return _matmul(g, wb2, d, ks_ff)
 
 
 def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
@@ -353,9 +381,11 @@ def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp:
 
     def ks(w):
         return (ksplit(*w.shape) if split else 0) or max(w.shape[1], 1)
-    y = _swiglu(x.reshape(-1, k), weight_blocks(w1), weight_blocks(w3), weight_blocks(w2), ff, d,
-                ks(w1), ks(w2), F32(clamp))
-    return y.reshape(x.shape[:-1] + (d,))
+    x2 = x.reshape(-1, k)
+    mm = _matmul_for(x2.shape[0])
+    g = mm(x2, weight_blocks(w1), ff, ks(w1))
+    _swiglu_act(g, mm(x2, weight_blocks(w3), ff, ks(w1)), F32(clamp))
+    return mm(g, weight_blocks(w2), d, ks(w2)).reshape(x.shape[:-1] + (d,))
 
 
 @numba.njit(cache=True)
@@ -468,50 +498,62 @@ def sinkhorn(c, iters, eps):
 
 
 @numba.njit(cache=True)
-def _hc_split(m, streams, base, scale, eps, iters):
+def _hc_split_row(r, m, streams, base, scale, eps, iters, pre, post, comb, u):
+    """Row r of _hc_split_rows' outputs."""
+    _, hc, d = streams.shape
+    v = np.empty(hc, np.float32)
+    for k in range(hc):
+        pre[r, k] = sigmoid_f32(m[r, k] * scale[0] + base[k]) + eps
+        post[r, k] = _TWO * sigmoid_f32(m[r, hc + k] * scale[1] + base[hc + k])
+    for i in range(hc):
+        o = 2 * hc + i * hc
+        for j in range(hc):
+            v[j] = m[r, o + j] * scale[2] + base[o + j]
+        mx = v[0]
+        for j in range(1, hc):
+            if v[j] > mx or v[j] != v[j]:  # np.max: NaN wins
+                mx = v[j]
+        tot = _ZERO
+        for j in range(hc):
+            v[j] = exp_f32(v[j] - mx)
+            tot = tot + v[j]
+        for j in range(hc):
+            comb[r, i, j] = v[j] / tot + eps
+    c = comb[r]
+    for it in range(iters):
+        if it > 0:
+            _normalise_rows(c, eps)
+        _normalise_rows(c.T, eps)
+    for e in range(d):
+        acc = _ZERO
+        for k in range(hc):
+            acc = acc + pre[r, k] * streams[r, k, e]
+        u[r, e] = acc
+
+
+@numba.njit(cache=True)
+def _hc_split_rows(m, streams, base, scale, eps, iters, pre, post, comb, u):
     """From the mixing logits m (n, hc*(2+hc)): pre, post, the Sinkhorn-normalised comb, and the
     block input u; elementwise as the docs' hc_pre table, sums in order."""
-    n, hc, d = streams.shape
-    pre = np.empty((n, hc), np.float32)
-    post = np.empty((n, hc), np.float32)
-    comb = np.empty((n, hc, hc), np.float32)
-    u = np.empty((n, d), np.float32)
-    v = np.empty(hc, np.float32)
-    for r in range(n):
-        for k in range(hc):
-            pre[r, k] = sigmoid_f32(m[r, k] * scale[0] + base[k]) + eps
-            post[r, k] = _TWO * sigmoid_f32(m[r, hc + k] * scale[1] + base[hc + k])
-        for i in range(hc):
-            o = 2 * hc + i * hc
-            for j in range(hc):
-                v[j] = m[r, o + j] * scale[2] + base[o + j]
-            mx = v[0]
-            for j in range(1, hc):
-                if v[j] > mx or v[j] != v[j]:  # np.max: NaN wins
-                    mx = v[j]
-            tot = _ZERO
-            for j in range(hc):
-                v[j] = exp_f32(v[j] - mx)
-                tot = tot + v[j]
-            for j in range(hc):
-                comb[r, i, j] = v[j] / tot + eps
-        c = comb[r]
-        for it in range(iters):
-            if it > 0:
-                _normalise_rows(c, eps)
-            _normalise_rows(c.T, eps)
-        for e in range(d):
-            acc = _ZERO
-            for k in range(hc):
-                acc = acc + pre[r, k] * streams[r, k, e]
-            u[r, e] = acc
-    return u, post, comb
+    for r in range(m.shape[0]):
+        _hc_split_row(r, m, streams, base, scale, eps, iters, pre, post, comb, u)
+
+
+@numba.njit(cache=True, parallel=True)
+def _hc_split_rows_par(m, streams, base, scale, eps, iters, pre, post, comb, u):
+    for r in numba.prange(m.shape[0]):  # rows are independent: any thread, any order
+        _hc_split_row(r, m, streams, base, scale, eps, iters, pre, post, comb, u)
 
 
 def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters):
     m = _hc_mix(streams, fn, rms_eps)
-    return _hc_split(m, np.ascontiguousarray(streams, F32), np.asarray(base, F32), np.asarray(scale, F32),
-                     F32(hc_eps), int(iters))
+    streams = np.ascontiguousarray(streams, F32)
+    n, hc, d = streams.shape
+    pre, post = np.empty((n, hc), F32), np.empty((n, hc), F32)
+    comb, u = np.empty((n, hc, hc), F32), np.empty((n, d), F32)
+    run = _hc_split_rows_par if n >= PARALLEL_ROWS else _hc_split_rows
+    run(m, streams, np.asarray(base, F32), np.asarray(scale, F32), F32(hc_eps), int(iters), pre, post, comb, u)
+    return u, post, comb
 
 
 @numba.njit(cache=True)
@@ -643,13 +685,22 @@ def _attention_rows(q, keys, offsets, sinks, scale):
     return out
 
 
+@numba.njit(cache=True, parallel=True)
+def _attention_rows_par(q, keys, offsets, sinks, scale):
+    out = np.empty(q.shape, np.float32)
+    for r in numba.prange(q.shape[0]):  # rows are independent: any thread, any order
+        out[r] = _attention(q[r], keys[offsets[r]:offsets[r + 1]], sinks, scale)
+    return out
+
+
 def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
     """Row r of q (R, H, D) attends to its own visible rows: the concatenation of the arrays
     keys[r] (one list per row, in order) -> (R, H, D), in one call."""
     scale = F32(1.0 / math.sqrt(q.shape[-1]))
     flat = np.concatenate([k for row in keys for k in row]).astype(F32, copy=False)
     offsets = np.concatenate([[0], np.cumsum([sum(len(k) for k in row) for row in keys])])
-    return _attention_rows(np.ascontiguousarray(q, F32), flat, offsets, np.ascontiguousarray(sinks, F32), scale)
+    run = _attention_rows_par if len(keys) >= PARALLEL_ROWS else _attention_rows
+    return run(np.ascontiguousarray(q, F32), flat, offsets, np.ascontiguousarray(sinks, F32), scale)
 
 
 def attention_with_sinks(q: np.ndarray, keys: np.ndarray, sinks: np.ndarray) -> np.ndarray:
@@ -672,26 +723,38 @@ def pool_window(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _indexer_scores(qi, wts, kt, counts):
-    m, n = qi.shape[0], kt.shape[1]
-    out = np.full((m, n), np.nan, np.float32)
+def _indexer_row(r, qi, wts, kt, counts, out):
+    n = kt.shape[1]
     p = np.empty((LANES, n), np.float32)
     dots = np.empty(n, np.float32)
-    for r in range(m):
-        c, o = counts[r], out[r]
-        o[:c] = _ZERO
-        for h in range(qi.shape[1]):
-            _dots_lanes(qi[r, h], kt, c, p, dots)
-            for i in range(c):
-                o[i] = o[i] + max(dots[i], _ZERO) * wts[r, h]
-    return out
+    c, o = counts[r], out[r]
+    o[:c] = _ZERO
+    for h in range(qi.shape[1]):
+        _dots_lanes(qi[r, h], kt, c, p, dots)
+        for i in range(c):
+            o[i] = o[i] + max(dots[i], _ZERO) * wts[r, h]
+
+
+@numba.njit(cache=True)
+def _indexer_scores(qi, wts, kt, counts, out):
+    for r in range(qi.shape[0]):
+        _indexer_row(r, qi, wts, kt, counts, out)
+
+
+@numba.njit(cache=True, parallel=True)
+def _indexer_scores_par(qi, wts, kt, counts, out):
+    for r in numba.prange(qi.shape[0]):  # rows are independent: any thread, any order
+        _indexer_row(r, qi, wts, kt, counts, out)
 
 
 def indexer_scores_rows(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts) -> np.ndarray:
     """indexer_scores of m queries (qi (m, Hi, Di), wts (m, Hi)) against the first counts[r]
     of the same keys (N, Di), in one call -> (m, N), NaN past counts[r]."""
-    return _indexer_scores(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32),
-                           np.ascontiguousarray(np.asarray(keys, F32).T), np.asarray(counts, np.int64))
+    kt = np.ascontiguousarray(np.asarray(keys, F32).T)
+    out = np.full((len(qi), kt.shape[1]), np.nan, F32)
+    run = _indexer_scores_par if len(qi) >= PARALLEL_ROWS else _indexer_scores
+    run(np.ascontiguousarray(qi, F32), np.ascontiguousarray(wts, F32), kt, np.asarray(counts, np.int64), out)
+    return out
 
 
 def indexer_scores(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -442,7 +442,7 @@ def test_matvec_block_quants_flash_shapes(rt, wtype, n, k):
        wtype=st.sampled_from(["f32", "bf16", "q8_0"] + QUANTS), rpw=st.sampled_from([1, 2, 4]))
 def test_routed_experts(rt, seed, L, E, kk, shape, down, wtype, rpw):
     """Each (lane, choice) is the reference's unsplit dot with that expert, whoever else chose
-    it, at every rows-per-warp the backend may pick (4 is not built for f32)."""
+    it, at every rows-per-warp the backend may pick (4 is built for bf16 only)."""
     assume(kk <= E and (rpw < 4 or wtype in g.EXPERT_R4))
     N, K = shape
     rng = np.random.default_rng(seed)

@@ -172,12 +172,6 @@ STEP_EXPERTS3(step_experts3_iq2_xxs_r1, WT_IQ2_XXS, 1, 2 * MV3_U_LOWBIT)
 STEP_EXPERTS3(step_experts3_iq2_xxs_r2, WT_IQ2_XXS, 2, MV3_U_LOWBIT)
 STEP_EXPERTS3(step_experts3_mxfp4_r1, WT_MXFP4, 1, 2 * MV3_U_LOWBIT)
 STEP_EXPERTS3(step_experts3_mxfp4_r2, WT_MXFP4, 2, MV3_U_LOWBIT)
-// 4 rows per warp for a prompt pass, whose entries carry several lanes each
-STEP_EXPERTS3(step_experts3_q8_0_r4, WT_Q8_0, 4, 2)
-STEP_EXPERTS3(step_experts3_q2_k_r4, WT_Q2_K, 4, 1)
-STEP_EXPERTS3(step_experts3_q4_k_r4, WT_Q4_K, 4, 1)
-STEP_EXPERTS3(step_experts3_iq2_xxs_r4, WT_IQ2_XXS, 4, 1)
-STEP_EXPERTS3(step_experts3_mxfp4_r4, WT_MXFP4, 4, 1)
 
 // y[l] = sum_t w[l, t] * down[l, t] (t ascending = expert ids ascending) + shared[l].
 extern "C" __global__ void step_moe_combine(const float* down, const float* w, const float* shared, float* y,
