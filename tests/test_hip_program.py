@@ -192,3 +192,19 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
     assert backend.capture_count == 2 and backend.replay_count == 3
     with pytest.raises(ValueError, match="at most 256"):
         backend.step(StepPlan.from_rows([Row(0, pos[0] + i, 1) for i in range(256)] + [Row(1, pos[1], 1)], 257))
+
+
+def test_configure_counts_the_prompt_pass_workspace(rt):
+    """The 256-row pass's workspace is part of what configure checks against free memory, so a
+    device that holds the state but not the workspace refuses before allocating anything."""
+    from ds4ref.hip.guards import DeviceMemoryError
+    cfg = tiny_config()
+    dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
+    model = types.SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    state = DeviceState.bytes_needed(cfg, 4, 64, 128, compact=True)
+    rt.mem_info = lambda: (int(2 * state), 1 << 40)
+    before = rt.allocated
+    with pytest.raises(DeviceMemoryError, match="256-row pass"):
+        backend.configure(4, 64)
+    assert rt.allocated == before

@@ -37,7 +37,7 @@ from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
 from ..reference import canon
 from ..reference.state import ATTN, INDEX
 from . import ops as K
-from .device_state import DeviceState, check_rows, lane_fields, lane_order
+from .device_state import DeviceState, check_rows, lane_fields, lane_order, max_pages_per_slot
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 
@@ -119,10 +119,13 @@ class HipBackend:
         self._release_state()
         need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens, self.compact)
         need += 2 * 2 * 4 * (self.cfg.n_rot // 2) * min(self.cfg.context_length, n_pages * page_tokens)  # RoPE
+        maxp = max_pages_per_slot(n_pages, page_tokens, self.cfg.context_length)
+        work = 4 * self.max_rows * sum(self._workspace_sizes(maxp, page_tokens).values())
         free, _total = self.rt.mem_info()
-        if need > 0.95 * free:
+        if need + work > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
-                                    f"state, {free / 2**30:.2f} GiB is free; use fewer")
+                                    f"state and the {self.max_rows}-row pass {work / 2**30:.2f} GiB of workspace, "
+                                    f"{free / 2**30:.2f} GiB is free; use fewer slots or pages")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
                                  n_lanes=self.max_rows)
@@ -227,14 +230,22 @@ class HipBackend:
             self.rope_cs[kind] = self.rt.upload(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))
 
     def _alloc_workspace(self) -> None:
-        c = self.cfg
-        st = self.state
+        st, L = self.state, self.max_rows  # every bucket's program uses the first lanes of these buffers
+        for name, n in self._workspace_sizes(st.maxp, st.page_tokens).items():
+            buf = self.rt.malloc(4 * L * n)
+            self.rt.memset32(buf, 0, L * n)
+            self._ws[name] = buf
+        self.rt.synchronize()
+
+    def _workspace_sizes(self, maxp: int, page_tokens: int) -> dict[str, int]:
+        """int32/float32 elements per lane of every workspace buffer (sets ncap4 and at_nz)."""
+        c, L = self.cfg, self.max_rows
         D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
         wmax = max(D, Di)
         cmax = max([8] + [r for r in c.compress_ratios if r])
         ffs = c.expert_ff * max(c.n_expert_shared, 1)
         kk = c.n_expert_used
-        self.ncap4 = st.maxp * st.layout.rows_per_page(4) if 4 in c.compress_ratios else 1
+        self.ncap4 = maxp * (page_tokens // 4) if 4 in c.compress_ratios else 1
         f32 = {
             "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
             "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
@@ -249,21 +260,16 @@ class HipBackend:
             "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
             "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
         }
-        L = self.max_rows  # every bucket's program uses the first lanes of these buffers
         f32["hs"] = hc * d  # the emitting rows' streams, gathered for the head
         i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
                "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L)}
         # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
         ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols, L) for t in self.w.mats.values()] + [1])
         f32["ksplit"] = -(-ksf // L)
-        self.at_nz = _blocks(self.max_keys(st.maxp * st.page_tokens), K.AT3_SPLIT)
+        self.at_nz = _blocks(self.max_keys(maxp * page_tokens), K.AT3_SPLIT)
         f32["at_m"] = f32["at_den"] = c.n_head * self.at_nz
         f32["at_acc"] = c.n_head * self.at_nz * D
-        for name, n in list(f32.items()) + list(i32.items()):
-            buf = self.rt.malloc(4 * L * n)
-            self.rt.memset32(buf, 0, L * n)
-            self._ws[name] = buf
-        self.rt.synchronize()
+        return {**f32, **i32}
 
     def max_keys(self, context: int) -> int:
         """The most keys one lane's attention can read in any layer at this context: the raw
