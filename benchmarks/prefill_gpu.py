@@ -135,7 +135,7 @@ def main() -> None:
     for n in prompts:
         ms = feed_prompt(backend, cfg, 0, n, args.chunk, n)
         total = sum(ms)
-        full = [m for m in ms[:-1]] or ms
+        full = ms[:-1] or ms  # the last pass may be partial
         line = (f"| {n} | {len(ms)} | {total / 1e3:.2f} | {n / (total * 1e-3):.0f} | {np.median(full):.1f} | "
                 f"{max(ms):.1f} |")
         print(line, flush=True)

@@ -22,7 +22,7 @@ Design (docs/hip_backend.md has the long form):
   rows sit on consecutive lanes.
 * Weights are read once per pass for all lanes (batched matvec; routed experts
   read once for all lanes that chose them). Past 16 lanes the matvecs run in lane
-  groups of 16 whose blocks share each weight tile through L2.
+  groups of 16, one per grid z, each with the 16-lane kernel's arithmetic.
 * The head (hc head, norm, lm head, argmax) runs only on the rows that emit, gathered
   to the front: intermediate prompt rows skip the largest single weight read.
 """
