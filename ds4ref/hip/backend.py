@@ -238,14 +238,14 @@ class HipBackend:
         self.rt.synchronize()
 
     def _workspace_sizes(self, maxp: int, page_tokens: int) -> dict[str, int]:
-        """int32/float32 elements per lane of every workspace buffer (sets ncap4 and at_nz)."""
+        """int32/float32 elements per lane of every workspace buffer at this page geometry."""
         c, L = self.cfg, self.max_rows
         D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
         wmax = max(D, Di)
         cmax = max([8] + [r for r in c.compress_ratios if r])
         ffs = c.expert_ff * max(c.n_expert_shared, 1)
         kk = c.n_expert_used
-        self.ncap4 = maxp * (page_tokens // 4) if 4 in c.compress_ratios else 1
+        ncap4, at_nz = self._score_capacity(maxp, page_tokens), self._attention_slices(maxp, page_tokens)
         f32 = {
             "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
             "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
@@ -254,7 +254,7 @@ class HipBackend:
             "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
             "crow3": wmax, "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
             "qi": c.indexer_heads * Di, "qi_h": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
-            "wraw": c.indexer_heads, "scores": self.ncap4,
+            "wraw": c.indexer_heads, "scores": ncap4,
             "o": c.n_head * D, "z": c.o_groups * c.o_lora_rank, "y": d,
             "xn": d, "rlog": c.n_expert, "rw": kk, "eg": kk * c.expert_ff, "eu": kk * c.expert_ff,
             "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
@@ -266,10 +266,24 @@ class HipBackend:
         # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
         ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols, L) for t in self.w.mats.values()] + [1])
         f32["ksplit"] = -(-ksf // L)
-        self.at_nz = _blocks(self.max_keys(maxp * page_tokens), K.AT3_SPLIT)
-        f32["at_m"] = f32["at_den"] = c.n_head * self.at_nz
-        f32["at_acc"] = c.n_head * self.at_nz * D
+        f32["at_m"] = f32["at_den"] = c.n_head * at_nz
+        f32["at_acc"] = c.n_head * at_nz * D
         return {**f32, **i32}
+
+    def _score_capacity(self, maxp: int, page_tokens: int) -> int:
+        """Indexer scores a lane can have: a slot's ratio-4 rows."""
+        return maxp * (page_tokens // 4) if 4 in self.cfg.compress_ratios else 1
+
+    def _attention_slices(self, maxp: int, page_tokens: int) -> int:
+        return _blocks(self.max_keys(maxp * page_tokens), K.AT3_SPLIT)
+
+    @property
+    def ncap4(self) -> int:
+        return self._score_capacity(self.state.maxp, self.state.page_tokens)
+
+    @property
+    def at_nz(self) -> int:
+        return self._attention_slices(self.state.maxp, self.state.page_tokens)
 
     def max_keys(self, context: int) -> int:
         """The most keys one lane's attention can read in any layer at this context: the raw
