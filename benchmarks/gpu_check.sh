@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one device run: build every kernel, check the GPU path bit for bit against the
-# NumPy reference, and time it. Run it on the GPU machine with carry [".whl", ".golden_cache"]
-# (the wheels of benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh; the
-# tiny policy files this machine's test run wrote, copied from $DS4REF_GOLDEN_CACHE):
+# NumPy reference, and time it. Run it on the GPU machine with carry [".whl"] (the wheels of
+# benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
+# files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
 # STAGES picks any of build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill (default:
 # all). Logs and tables land under $OUT, which the device tool brings back.
@@ -18,9 +18,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
 fi
-# the tiny policy files (q2/q4/mxfp4) are made from numpy reductions, so another numpy may write other
-# bytes than the goldens record: carry the ones made here as .golden_cache (tests/golden/make_golden.py)
-[[ -d .golden_cache ]] && export DS4REF_GOLDEN_CACHE=$PWD/.golden_cache
 WORKERS=${WORKERS:-14}            # pytest-xdist workers: the NumPy side of the cross-backend property
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12} DS4REF_HYPOTHESIS_NO_SHRINK=${DS4REF_HYPOTHESIS_NO_SHRINK:-1}
 export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-14} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-15}

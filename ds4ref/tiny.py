@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import math
 import os
 from pathlib import Path
 from .cli import HelpFormatter
@@ -169,6 +170,26 @@ def _dequant(blocks: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.dequantize(blocks, qtype).reshape(-1)
 
 
+# The generated files must be the same bytes on every machine, so no statistic that feeds a
+# stored byte may come from a NumPy reduction (its rounding follows the CPU's SIMD width and
+# the NumPy build) or a vectorised transcendental. math.fsum is correctly rounded and the
+# element-wise float64 operations are IEEE-exact, so these two are machine-independent.
+def exact_mean(values: np.ndarray) -> float:
+    return math.fsum(np.asarray(values, np.float64).reshape(-1).tolist()) / values.size
+
+
+def exact_std(values: np.ndarray) -> float:
+    x = np.asarray(values, np.float64).reshape(-1)
+    d = x - exact_mean(x)
+    return math.sqrt(math.fsum((d * d).tolist()) / x.size)
+
+
+def nearest_log2(x: float) -> int:
+    """round(log2(x)) for x > 0 from frexp (exact), not libm's log2."""
+    m, e = math.frexp(x)  # x = m * 2**e, 0.5 <= m < 1, so log2(x) = e + log2(m), log2(m) in [-1, 0)
+    return e if m >= math.sqrt(0.5) else e - 1
+
+
 # Byte offset of the f16 super-block scales (d, dmin) in gguf-py's block layouts.
 _F16_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "IQ2_XXS": (0, None)}
 
@@ -187,19 +208,19 @@ def random_blocks(rng: np.random.Generator, qtype_name: str, shape: tuple[int, .
     blocks = rng.integers(0, 256, (int(np.prod(byte_shape)) // size, size), dtype=np.uint8)
     if qtype_name == "MXFP4":
         blocks[:, 0] = 127
-        exponent = 127 + int(round(np.log2(std / _dequant(blocks, qtype).std())))
+        exponent = 127 + nearest_log2(std / exact_std(_dequant(blocks, qtype)))
         blocks[:, 0] = np.clip(exponent + rng.integers(-1, 2, len(blocks)), 1, 254)  # per-block jitter
     else:
         d_at, dmin_at = _F16_SCALES[qtype_name]
         d, dmin = 1.0, 0.0
         if dmin_at is not None:  # K-quants subtract dmin*min: pick dmin so the mean is ~0
             _set_f16(blocks, d_at, 1.0); _set_f16(blocks, dmin_at, 0.0)
-            scaled = _dequant(blocks, qtype).mean()
+            scaled = exact_mean(_dequant(blocks, qtype))
             _set_f16(blocks, d_at, 0.0); _set_f16(blocks, dmin_at, 1.0)
-            dmin = scaled / -_dequant(blocks, qtype).mean()
+            dmin = scaled / -exact_mean(_dequant(blocks, qtype))
             _set_f16(blocks, dmin_at, dmin)
         _set_f16(blocks, d_at, d)
-        gain = std / _dequant(blocks, qtype).std()
+        gain = std / exact_std(_dequant(blocks, qtype))
         _set_f16(blocks, d_at, d * gain)
         if dmin_at is not None:
             _set_f16(blocks, dmin_at, dmin * gain)
@@ -223,7 +244,7 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
         if suffix in _EXPERTS:
             rng = np.random.default_rng([seed, i, 1])
             qtype = down if suffix == "ffn_down_exps.weight" else gate_up
-            tensors[name] = random_blocks(rng, qtype, arr.shape, float(arr.std()))
+            tensors[name] = random_blocks(rng, qtype, arr.shape, exact_std(arr))
     return tensors, tiny_dtypes(config)
 
 

@@ -393,3 +393,46 @@ def test_official_numerics_refuse_small_blocks_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"key_length - .*rope\.dimension_count = 48.*multiple of 64"):
         ds4ref.load(path, numerics="official")
     assert math.isfinite(float(ds4ref.load(path, numerics="plain").score([5])[0, 0]))
+
+
+def _nearest_f32(v) -> np.float32:
+    import mpmath
+    with mpmath.workprec(24):
+        return np.float32(float(+v))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), base=st.sampled_from([10000.0, 160000.0]))
+def test_rope_tables_are_correctly_rounded(seed, base):
+    """Every cos/sin entry is the float32 nearest the true value, whatever libm NumPy uses
+    (so the uploaded table is the same bits on every machine); checked in 160-bit arithmetic."""
+    import mpmath
+    rng = np.random.default_rng(seed)
+    omega = ref.rope_omega(32, base, (16.0, 65536, 32.0, 1.0))
+    pos = rng.integers(0, 1 << 20, 24)
+    cos, sin = canon.rope_cos_sin(omega, pos)
+    theta = pos.astype(np.float32)[:, None] * omega.astype(np.float32)
+    with mpmath.workprec(160):
+        for (i, j), t in np.ndenumerate(theta):
+            x = mpmath.mpf(float(t))
+            assert cos[i, j] == _nearest_f32(mpmath.cos(x)) and sin[i, j] == _nearest_f32(mpmath.sin(x)), (t,)
+
+
+def test_correct_rounding_settles_the_doubtful_entries_exactly():
+    """A float64 approximation on a float32 rounding boundary (where a libm's last ulp decides)
+    is settled by the exact value, on either side of the boundary."""
+    import mpmath
+    lo = np.float32(0.75)
+    mid = (float(lo) + float(np.nextafter(lo, np.float32(1)))) / 2  # a float32 midpoint: ties go to even
+    tiny = mpmath.mpf(2) ** -80
+    above = canon.correctly_rounded_f32(np.array([mid]), lambda i: mpmath.mpf(mid) + tiny)
+    below = canon.correctly_rounded_f32(np.array([mid]), lambda i: mpmath.mpf(mid) - tiny)
+    assert above[0] == np.nextafter(lo, np.float32(1)) and below[0] == lo
+
+
+def test_rope_frequencies_are_correctly_rounded():
+    import mpmath
+    omega = ref.rope_omega(64, 10000.0)
+    with mpmath.workprec(160):
+        want = [float(mpmath.power(10000, mpmath.mpf(-2.0 * j / 64))) for j in range(32)]
+    assert omega.tolist() == want

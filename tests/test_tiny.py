@@ -1,8 +1,12 @@
 """The tiny random model: config, weights, determinism and the packaged file."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ds4ref.gguf_io import open_gguf
 from ds4ref.tensors import is_int_tensor, tensor_shapes
@@ -67,6 +71,33 @@ def test_packaged_file_is_current(tmp_path, tiny_model_path):
     assert tiny_model_path.read_bytes() == (tmp_path / "fresh.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("policy", ["q2", "q4", "mxfp4"])
+def test_policy_files_are_the_goldens_bytes(tmp_path, policy):
+    """A fresh `tiny --policy P` file (not the test cache's) is the file the golden was made from,
+    on any machine: its bytes must not depend on the CPU's SIMD width or the NumPy build.
+    Regenerate with: python -m tests.golden.make_golden q2 q4 mxfp4"""
+    from tests.golden.make_golden import POLICY_SEED, file_sha256
+    golden = json.loads((Path(__file__).parent / "golden" / f"tiny_{policy}_official.json").read_text())
+    write_tiny(tmp_path / "fresh.gguf", seed=POLICY_SEED, policy=policy)
+    assert file_sha256(tmp_path / "fresh.gguf") == golden["model_sha256"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=st.floats(1e-30, 1e30), n=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1))
+def test_generator_statistics_are_exact(x, n, seed):
+    """The statistics behind stored scales: round(log2) without libm, mean/std correctly rounded."""
+    import math
+    from fractions import Fraction
+    from ds4ref.tiny import exact_mean, exact_std, nearest_log2
+    if abs(math.log2(x) % 1 - 0.5) > 1e-9:  # away from a half-integer, libm's log2 rounds the same way
+        assert nearest_log2(x) == round(math.log2(x))
+    values = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    exact = sum(Fraction(float(v)) for v in values) / n
+    assert exact_mean(values) == float(sum(Fraction(float(v)) for v in values)) / n
+    assert exact_std(values) == pytest.approx(math.sqrt(float(sum((Fraction(float(v)) - exact) ** 2 for v in values) / n)),
+                                              rel=1e-14)
+
+
 def test_packaged_file_opens_with_the_tiny_config(tiny_file):
     assert tiny_file.config == tiny_config()
     assert tiny_file.metadata["tokenizer.ggml.pre"] == "joyai-llm"
@@ -104,7 +135,6 @@ def test_logits_are_peaked(tiny_weights):
 
 # ---- published-policy files (python -m ds4ref.tiny --policy) -----------------------------------------------------
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=25, deadline=None)

@@ -588,13 +588,47 @@ def hc_head(streams, fn, base, scale, rms_eps, hc_eps):
 # ---------------------------------------------------------------------------
 
 
+# A float64 libm result is within a few ulps of the true value, but which few differs between
+# libms (glibc, NumPy's SIMD paths): a table that must be the same bits on every machine takes
+# the float32 nearest the true value. The float64 value decides it unless it lies within
+# _DOUBT of a float32 rounding boundary; those rare entries are recomputed in 160-bit arithmetic.
+_DOUBT = 2.0 ** -44  # 512 float64 ulps, relative
+
+
+def correctly_rounded_f32(approx: np.ndarray, exact) -> np.ndarray:
+    """float32 nearest exact(x) for each entry, given approx ~ exact in float64; `exact` maps
+    the entry's flat index to an mpmath value."""
+    import mpmath
+    approx = np.asarray(approx, np.float64)
+    out = approx.astype(F32)
+    margin = np.abs(approx) * _DOUBT
+    doubt = (approx - margin).astype(F32) != (approx + margin).astype(F32)
+    flat = out.reshape(-1)
+    for i in np.flatnonzero(doubt.reshape(-1)):
+        with mpmath.workprec(160):
+            v = exact(int(i))
+        with mpmath.workprec(24):  # round half to even onto float32's 24-bit significand
+            flat[i] = F32(float(+v))
+    return out
+
+
+def correctly_rounded_pow(base: float, exponent: np.ndarray) -> np.ndarray:
+    """base ** exponent, each the float64 nearest the true value (rope_omega's frequencies)."""
+    import mpmath
+    with mpmath.workprec(160):
+        return np.array([float(mpmath.power(mpmath.mpf(base), mpmath.mpf(float(e)))) for e in exponent])
+
+
 def rope_cos_sin(omega: np.ndarray, pos) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin of theta = f32(pos) * f32(omega), each computed in float64 and rounded
-    once. The HIP backend uploads this very table (by position), so the libm behind
-    np.cos never splits the two backends."""
+    """cos/sin of theta = f32(pos) * f32(omega), each the float32 nearest the true value
+    (correctly rounded, so the same bits on every machine). The HIP backend uploads this
+    very table (by position), so the two backends read the same bits."""
+    import mpmath
     theta = np.asarray(pos, dtype=F32)[..., None] * np.asarray(omega, F32)
     t64 = theta.astype(np.float64)
-    return np.cos(t64).astype(F32), np.sin(t64).astype(F32)
+    flat = t64.reshape(-1)
+    return tuple(correctly_rounded_f32(f(t64), lambda i, g=g: g(mpmath.mpf(float(flat[i]))))
+                 for f, g in ((np.cos, mpmath.cos), (np.sin, mpmath.sin)))
 
 
 @numba.njit(cache=True)

@@ -84,7 +84,7 @@ def rope_omega(n_rot: int, base: float, yarn: tuple[float, int, float, float] | 
     factor is 1.0 (DS4 forces attention_factor = 1; the default 1.2773 is wrong).
     """
     j = np.arange(n_rot // 2, dtype=np.float64)
-    omega = base ** (-2.0 * j / n_rot)
+    omega = canon.correctly_rounded_pow(base, -2.0 * j / n_rot)  # not libm's pow: same bits everywhere
     if yarn is None:
         return omega
     factor, orig_ctx, beta_fast, beta_slow = yarn
