@@ -111,14 +111,9 @@ def scan_dir(hf_dir: Path) -> dict[str, SourceTensor]:
 
 
 class _Opener:
-    """Keeps one safe_open handle per file; torch framework when available (BF16)."""
+    """Reads a checkpoint's tensors through memory maps; integer tensors through safe_open."""
 
     def __init__(self) -> None:
-        try:
-            import torch  # noqa: F401
-            self.framework = "pt"
-        except ImportError:  # pragma: no cover - torch is installed in this project
-            self.framework = "numpy"
         self._handles: dict[Path, object] = {}
 
     def raw(self, t: SourceTensor, dtype) -> np.ndarray:
@@ -149,13 +144,10 @@ class _Opener:
                 return dequantise_fp8(np.asarray(self.raw(t, np.uint8)[r0:r1]), scale, t.name)
             except QuantError as exc:
                 raise ConvertError(str(exc)) from None
-        raw = np.asarray(self.raw(t, _ROW_DTYPES[t.dtype])[r0:r1])
-        if t.dtype == "BF16":  # the top half of a float32: widening is exact
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.float32)
+        return _widen(np.asarray(self.raw(t, _ROW_DTYPES[t.dtype])[r0:r1]), t.dtype)
 
     def load(self, t: SourceTensor) -> np.ndarray:
-        from safetensors import safe_open  # present: main() checked
+        from safetensors import safe_open
 
         try:
             if t.dtype == FP8_DTYPE:
@@ -165,18 +157,22 @@ class _Opener:
         except QuantError as exc:
             raise ConvertError(str(exc)) from None
 
-        if self.framework == "numpy" and t.dtype == "BF16":  # pragma: no cover
-            raise ConvertError(f"tensor {t.name!r} is BF16: install torch to convert BF16 checkpoints")
+        if t.dtype in _ROW_DTYPES:
+            return _widen(np.asarray(self.raw(t, _ROW_DTYPES[t.dtype])), t.dtype)
         h = self._handles.get(t.file)
         if h is None:
-            h = self._handles[t.file] = safe_open(str(t.file), framework=self.framework)
-        x = h.get_tensor(t.name)
-        if self.framework == "pt":
-            x = x.float().numpy() if t.dtype in FLOAT_DTYPES and t.dtype != "F64" else x.numpy()
-        return np.asarray(x)
+            h = self._handles[t.file] = safe_open(str(t.file), framework="numpy")
+        return np.asarray(h.get_tensor(t.name))
 
 
 _ROW_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+
+
+def _widen(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored float values as float32 (float64 stays float64); every widening here is exact."""
+    if dtype == "BF16":  # the top half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw if dtype == "F64" else raw.astype(np.float32)
 
 
 class Lazy:
@@ -507,10 +503,6 @@ def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
     return cfg
 
 
-HF_EXTRA_MISSING = ("python -m ds4ref.convert reads safetensors checkpoints with the 'hf' extra, which is "
-                    "not installed: pip install 'ds4ref[hf]' (safetensors; torch for BF16 checkpoints)")
-
-
 def _with_progress(tensors: dict) -> dict:
     """The same tensors (Lazy or LazyBlocks), with one tick of a progress bar as each is read."""
     from .progress import progress
@@ -552,10 +544,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="f32", choices=DTYPES,
                     help="stored type of matrices (1-D tensors stay f32; tid2eid is i32)")
     args = ap.parse_args(argv)
-    try:
-        import safetensors  # noqa: F401
-    except ImportError:
-        raise SystemExit(f"convert: {HF_EXTRA_MISSING}") from None
     try:
         cfg = convert(args.hf, args.out, args.dtype)
     except ConvertError as exc:

@@ -167,3 +167,31 @@ def test_row_chunked_conversion_writes_the_same_file(converted, tmp_path, monkey
     convert(d / "ck", parts, "q8_0")
     assert len(written) > 2 * CFG.n_layer  # FP8 and f32 matrices went in parts, some in several
     assert whole.read_bytes() == parts.read_bytes()
+
+
+def test_bf16_and_f16_checkpoints_convert_exactly_without_torch(tmp_path):
+    """The README's install (no torch) converts BF16 and F16 tensors, widened to float32 exactly:
+    the GGUF equals the one converted from an F32 checkpoint of the same values."""
+    narrow, wide = {}, {}
+    for i, (name, arr) in enumerate(to_checkpoint_tensors(CFG, random_tensors(CFG, 0), names="official").items()):
+        if np.issubdtype(arr.dtype, np.integer):
+            narrow[name] = wide[name] = ("I64", arr.shape, arr.astype("<i8").tobytes())
+            continue
+        if i % 2:
+            bits = (arr.astype("<f4").view("<u4") >> 16).astype("<u2")  # a bf16 value: the top half
+            narrow[name], values = ("BF16", arr.shape, bits.tobytes()), (bits.astype("<u4") << 16).view("<f4")
+        else:
+            narrow[name], values = ("F16", arr.shape, arr.astype("<f2").tobytes()), arr.astype("<f2").astype("<f4")
+        wide[name] = ("F32", arr.shape, values.tobytes())
+    assert {d for d, _, _ in narrow.values()} == {"BF16", "F16", "I64"}
+    files = []
+    for tag, tensors in (("narrow", narrow), ("wide", wide)):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "config.json").write_text(json.dumps(config_to_hf(CFG, "legacy")))
+        write_safetensors(tmp_path / tag / "model.safetensors", tensors)
+        convert(tmp_path / tag, tmp_path / f"{tag}.gguf", "f32")
+        files.append(open_gguf(tmp_path / f"{tag}.gguf"))
+    names = list(files[0].tensors)
+    assert names == list(files[1].tensors) and names
+    for n in names:
+        assert files[0].read(n).tobytes() == files[1].read(n).tobytes(), n
