@@ -177,7 +177,7 @@ def make_model(full: bool, experts: int = 256):
     rt = open_device()
     if full:
         cfg = flash_config(43, 256, 1048576)
-        dw = DeviceWeights.random_policy(rt, cfg, "q2")
+        dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=True)  # official numerics
         what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
     else:
         cfg = flash_config(8, experts)

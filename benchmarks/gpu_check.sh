@@ -4,8 +4,8 @@
 # benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
 # files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill (default:
-# all). Logs and tables land under $OUT, which the device tool brings back.
+# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill (default:
+# all but fresh). Logs and tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
@@ -19,6 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 WORKERS=${WORKERS:-14}            # pytest-xdist workers: the NumPy side of the cross-backend property
+FRESH_WORKERS=${FRESH_WORKERS:-12}
 export DS4REF_GPU_EXAMPLES=${DS4REF_GPU_EXAMPLES:-12} DS4REF_HYPOTHESIS_NO_SHRINK=${DS4REF_HYPOTHESIS_NO_SHRINK:-1}
 export DS4REF_CROSS_SHARDS=${DS4REF_CROSS_SHARDS:-14} DS4REF_CROSS_EXAMPLES=${DS4REF_CROSS_EXAMPLES:-15}
 rc=0
@@ -30,6 +31,20 @@ PYTEST="python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -p no:benchmar
   python3 -c "import sys, numpy, numba; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__)"
   python3 -c "import cuda.bindings as c; print('cuda-bindings', c.__version__)"; } 2>&1 | tee "$OUT/env.log"
 
+if has fresh; then
+  # The README's install and test command on this machine, in a new venv: pip installs the
+  # project from the carried wheels (no index reaches this machine); numpy, numba, hypothesis
+  # and the rest of the image's packages are seen through the venv's site path.
+  stage "fresh venv: pip install -e '.[test]' (offline, from .whl), then python -m pytest -n $FRESH_WORKERS"
+  ( unset PYTHONPATH
+    rm -rf /tmp/freshvenv && python3 -m venv --system-site-packages /tmp/freshvenv || exit 1
+    site=$(python3 -c 'import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))')
+    /tmp/freshvenv/bin/python -c 'import numpy' 2>/dev/null \
+      || echo "$site" > "$(/tmp/freshvenv/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+    /tmp/freshvenv/bin/python -m pip install -q --no-index --find-links .whl -e '.[test]' || exit 1
+    timeout ${FRESH_TIMEOUT:-400} /tmp/freshvenv/bin/python -m pytest -n "$FRESH_WORKERS" -q -p no:cacheprovider \
+      -p no:benchmark -rfEs --tb=short ) 2>&1 | tee "$OUT/fresh.log" || rc=1
+fi
 if has build; then
   stage "build: compile every kernel file"
   timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/build.log" || { echo "BUILD FAILED"; exit 1; }

@@ -88,8 +88,14 @@ class HipBackend:
         self.rt = runtime
         for f in ("step_ops.hip", "step_state.hip"):  # compile now: fail at load, not mid-request
             self.rt.compile_file(f)
+        # official numerics multiply block-quantised weights by int8 activations (qdot.hip)
+        self.quantised_products = self.numerics == "official"
         self.w = device_weights if device_weights is not None else DeviceWeights.from_weights(
-            runtime, reference_model.weights)
+            runtime, reference_model.weights, self.quantised_products)
+        for name, t in self.w.mats.items():
+            if name != "token_embd.weight" and t.wtype in K.QUANT_WTYPES and t.packed != self.quantised_products:
+                raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
+                                 f"numerics, the model runs {self.numerics}")
         self.use_graph = (os.environ.get("DS4REF_HIP_GRAPH", "1") != "0") if use_graph is None else use_graph
         # official numerics' KV and indexer rows are FP8/FP4 grid values: stored compactly, exactly
         self.compact = self.numerics == "official" and os.environ.get("DS4REF_COMPACT_KV", "1") != "0"
@@ -235,7 +241,18 @@ class HipBackend:
             buf = self.rt.malloc(4 * L * n)
             self.rt.memset32(buf, 0, L * n)
             self._ws[name] = buf
+        ws = self._ws
+        self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"], L * self._q8_width())
         self.rt.synchronize()
+
+    def _q8_width(self) -> int:
+        """Elements per lane of the widest input a quantised product takes: the routed experts'
+        down input is a lane's kk rows; 0 without quantised products."""
+        if not self.quantised_products:
+            return 0
+        c = self.cfg
+        return max(c.n_embd, c.q_lora_rank, c.n_head * c.head_dim, c.o_groups * c.o_lora_rank,
+                   c.expert_ff * max(c.n_expert_shared, 1), c.n_expert_used * c.expert_ff)
 
     def _workspace_sizes(self, maxp: int, page_tokens: int) -> dict[str, int]:
         """int32/float32 elements per lane of every workspace buffer at this page geometry."""
@@ -268,6 +285,9 @@ class HipBackend:
         f32["ksplit"] = -(-ksf // L)
         f32["at_m"] = f32["at_den"] = c.n_head * at_nz
         f32["at_acc"] = c.n_head * at_nz * D
+        # quantised activations (ops.Q8Rows): int8 codes, f32 block scales, int16 half sums
+        q8 = -(-self._q8_width() // 32) * 32
+        f32.update(q8_codes=max(q8 // 4, 1), q8_scales=max(q8 // 32, 1), q8_sums=max(q8 // 32, 1))
         return {**f32, **i32}
 
     def _score_capacity(self, maxp: int, page_tokens: int) -> int:
@@ -317,8 +337,14 @@ class HipBackend:
         L = rec.L
         # padding lanes past the last row are skipped on the device
         kw.setdefault("lane_slot", self.state.lane("slot"))
+        w = self.w.mat(name)
+        if w.packed:
+            width = kw.pop("ldx", None) or w.cols
+            K.launch_quantize_q8(rec, x, self._q8, L, width)
+            K.launch_qmatvec(rec, w, self._q8, y, L, Wx=width, **kw)
+            return
         kw.update(part=self._ws["ksplit"])
-        K.launch_matvec(rec, self.w.mat(name), x, y, L, **kw)
+        K.launch_matvec(rec, w, x, y, L, **kw)
 
     def _norm(self, rec, x, wname, y, rows, D, lanes=None):
         L = rec.L
@@ -534,6 +560,11 @@ class HipBackend:
     def _experts(self, rec, name, x, per_choice, y) -> None:
         t = self.w.tensor(name)
         E, N, Kc = t.shape
+        if t.packed:
+            kk = self.cfg.n_expert_used
+            K.launch_quantize_q8(rec, x, self._q8, rec.L * (kk if per_choice else 1), Kc)
+            K.launch_qexperts(rec, t.buf, t.wtype, self._q8, per_choice, self._ws["elist"], y, N, Kc, kk)
+            return
         r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,
                                 self.cfg.n_expert_used)

@@ -20,7 +20,7 @@ from ..progress import progress
 
 from ..tensors import is_int_tensor, tensor_shapes
 from .guards import check_hash_routes, check_weight_types
-from .ops import DeviceWeight, f32_to_bf16_bits
+from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows
 
 WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 _GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
@@ -33,15 +33,22 @@ class DeviceTensor:
     buf: object
     wtype: str
     shape: tuple
+    packed: bool = False  # ops.pack_qrows' layout, read by the quantised products
 
     def as_matrix(self) -> DeviceWeight:
         rows = int(np.prod(self.shape[:-1]))
-        return DeviceWeight(self.buf, self.wtype, rows, int(self.shape[-1]))
+        return DeviceWeight(self.buf, self.wtype, rows, int(self.shape[-1]), self.packed)
 
 
 def is_vector(name: str, shape) -> bool:
     """Tensors used elementwise (f32 on the device) rather than through a matvec."""
     return len(shape) == 1 or name.endswith("_ape.weight")
+
+
+def takes_packed(name: str, wtype: str, quantised_products: bool) -> bool:
+    """Whether a matrix goes up in ops.pack_qrows' layout: the block-quantised ones the quantised
+    products read (official numerics); the embedding is gathered by rows, never multiplied."""
+    return quantised_products and wtype in QUANT_WTYPES and name != "token_embd.weight"
 
 
 class DeviceWeights:
@@ -76,14 +83,17 @@ class DeviceWeights:
         self.vecs[name] = self.rt.upload(arr)
         self.bytes += arr.nbytes
 
-    def _put_mat(self, name: str, data: np.ndarray, wtype: str, shape) -> None:
+    def _put_mat(self, name: str, data: np.ndarray, wtype: str, shape, packed: bool = False) -> None:
         data = np.ascontiguousarray(data)
-        self.mats[name] = DeviceTensor(self.rt.upload(data), wtype, tuple(shape))
+        if packed:
+            data = pack_qrows(wtype, data.reshape(int(np.prod(shape[:-1])), -1))
+        self.mats[name] = DeviceTensor(self.rt.upload(data), wtype, tuple(shape), packed)
         self.bytes += data.nbytes
 
     @classmethod
-    def from_weights(cls, rt, weights) -> "DeviceWeights":
-        """Upload a Weights object; GGUF-backed weights keep their stored encoding."""
+    def from_weights(cls, rt, weights, quantised_products: bool = False) -> "DeviceWeights":
+        """Upload a Weights object; GGUF-backed weights keep their stored encoding (block quants
+        repacked for the quantised products when `quantised_products`)."""
         self = cls(rt, weights.config)
         stored = _stored_types(weights)
         if stored:
@@ -97,7 +107,8 @@ class DeviceWeights:
             if wtype == "f32":
                 self._put_mat(name, np.asarray(weights.get(name), np.float32), "f32", shape)
             else:
-                self._put_mat(name, _raw(weights, name, wtype), wtype, shape)
+                self._put_mat(name, _raw(weights, name, wtype), wtype, shape,
+                              takes_packed(name, wtype, quantised_products))
         rt.synchronize()
         return self
 
@@ -130,11 +141,13 @@ class DeviceWeights:
 
 
     @classmethod
-    def random_policy(cls, rt, config, policy: str = "q2", seed: int = 0, template_bytes: int = 8 << 20):
+    def random_policy(cls, rt, config, policy: str = "q2", seed: int = 0, template_bytes: int = 8 << 20,
+                      quantised_products: bool = False):
         """Random weights stored as a published file stores them (tiny.POLICIES for the
         routed experts, tiny_dtypes for the rest). The host makes one template of valid rows
         per (tensor kind, width), at most `template_bytes`, with the std the tiny model's init
-        gives; each tensor is tiled from it on the device, row i taking a hashed template row."""
+        gives; each tensor is tiled from it on the device, row i taking a hashed template row
+        (block quants in ops.pack_qrows' layout when `quantised_products`)."""
         from ..tiny import POLICIES, _EXPERTS, _random_tensor, tiny_dtypes
         self = cls(rt, config)
         tile = rt.compile_file("step_ops.hip").kernel("step_tile_rows")
@@ -149,15 +162,16 @@ class DeviceWeights:
                 continue
             qtype = (down if suffix == "ffn_down_exps.weight" else gate_up) if suffix in _EXPERTS else \
                 dtypes.get(name, "f32").upper()
-            key = (suffix, qtype, shape[-1])
+            packed = takes_packed(name, _GGML_TO_WTYPE[qtype], quantised_products)
+            key = (suffix, qtype, shape[-1], packed)
             if key not in templates:
-                templates[key] = _template(rt, config, suffix, qtype, int(shape[-1]), template_bytes, seed)
+                templates[key] = _template(rt, config, suffix, qtype, int(shape[-1]), template_bytes, seed, packed)
             tmpl, n_tmpl, row_bytes = templates[key]
             rows = int(np.prod(shape[:-1]))
             buf = rt.malloc(rows * row_bytes)
             rt.launch(tile, (8192,), (256,), (buf, np.int64(rows), np.int32(row_bytes // 4), tmpl,
                                                np.int32(n_tmpl), np.uint64(seed * 1000003 + i)))
-            self.mats[name] = DeviceTensor(buf, _GGML_TO_WTYPE[qtype], tuple(shape))
+            self.mats[name] = DeviceTensor(buf, _GGML_TO_WTYPE[qtype], tuple(shape), packed)
             self.bytes += rows * row_bytes
         rt.synchronize()
         for tmpl, _, _ in templates.values():
@@ -165,8 +179,9 @@ class DeviceWeights:
         return self
 
 
-def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, seed: int):
-    """(device buffer, rows, bytes per row) of valid `qtype` rows `cols` wide."""
+def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, seed: int, packed: bool = False):
+    """(device buffer, rows, bytes per row) of valid `qtype` rows `cols` wide (pack_qrows' layout
+    when `packed`)."""
     import gguf
     from ..gguf_io import encode_tensor
     from ..tiny import _random_tensor, random_blocks
@@ -182,7 +197,9 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
     else:
         data, _ = encode_tensor(suffix, values, qtype.lower())
     data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, row_bytes)
-    return rt.upload(data), rows, row_bytes
+    if packed:
+        data = pack_qrows(qtype.lower(), data)
+    return rt.upload(data), rows, data.shape[1]
 
 
 def _gain(suffix: str) -> float:

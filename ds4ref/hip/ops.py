@@ -35,7 +35,7 @@ K_QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")  # v3 kernels only, rows per war
 _SOURCES = {
     "norm": "norm.hip", "rope": "rope.hip", "quant": "quant.hip", "matvec": "matvec.hip",
     "attention": "attention.hip", "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
-    "hc": "hc.hip",
+    "hc": "hc.hip", "qdot": "qdot.hip",
 }
 
 
@@ -276,6 +276,7 @@ class DeviceWeight:
     wtype: str
     rows: int
     cols: int
+    packed: bool = False  # rows in pack_qrows' layout (the quantised products' kernels read only those)
 
     @classmethod
     def upload(cls, rt: Runtime, w: np.ndarray, wtype: str | None = None) -> "DeviceWeight":
@@ -781,3 +782,161 @@ def argmax(logits, rt=None):
         launch_argmax(rt, s.up(x2), out, L, V)
         r = s.get(out, (L,), I32)
     return r[0] if squeeze else r
+
+
+# ---------------------------------------------------------------------------
+# Quantised products (qdot.hip): official numerics' products with block-quantised weights,
+# int8 activations and exact integer block dots (canon.quantize_q8, canon.qlinear)
+# ---------------------------------------------------------------------------
+QUANT_WTYPES = tuple(BLOCK_QUANTS)
+
+
+def packed_row_bytes(wtype: str, K: int) -> int:
+    """Bytes per row of K weights in pack_qrows' layout (a multiple of 16 for the repacked types)."""
+    nbytes, per = BLOCK_QUANTS[wtype]
+    if wtype in ("q2_k", "q4_k"):
+        return K // per * nbytes
+    body = {"q8_0": K + K // 16, "iq2_xxs": K // 4 + K // 128, "mxfp4": K // 2 + K // 32}[wtype]
+    return -(-body // 16) * 16
+
+
+def pack_qrows(wtype: str, raw: np.ndarray) -> np.ndarray:
+    """GGUF rows (rows, row bytes) uint8 -> the layout qdot.hip reads, where a lane's 32-column
+    block is one aligned load: Q8_0 [K int8 codes][K/32 f16 d], IQ2_XXS [K/32 x 8-byte
+    sub-blocks][K/256 f16 d], MXFP4 [K/32 x 16 code bytes][K/32 E8M0 bytes], each row padded to
+    16 bytes. Q2_K and Q4_K keep the file's super-blocks (4- and 16-byte aligned already)."""
+    raw = np.ascontiguousarray(raw, np.uint8)
+    rows = raw.shape[0]
+    K = weight_cols(raw, wtype)
+    if wtype in ("q2_k", "q4_k"):
+        return raw
+    nbytes, per = BLOCK_QUANTS[wtype]
+    blk = raw.reshape(rows, K // per, nbytes)
+    head = {"q8_0": 2, "iq2_xxs": 2, "mxfp4": 1}[wtype]  # the block's scale bytes come first
+    body = np.concatenate([blk[..., head:].reshape(rows, -1), blk[..., :head].reshape(rows, -1)], axis=1)
+    out = np.zeros((rows, packed_row_bytes(wtype, K)), np.uint8)
+    out[:, :body.shape[1]] = body
+    return out
+
+
+@dataclass
+class Q8Rows:
+    """Device buffers of quantised activation rows: codes (rows, W) int8, block scales
+    (rows, W/32) f32 and half sums (rows, W/16) int16, for up to `capacity` elements."""
+    xq: DeviceBuffer
+    dx: DeviceBuffer
+    xs: DeviceBuffer
+    capacity: int
+
+    @staticmethod
+    def bytes_per_element() -> float:
+        return 1 + 4 / 32 + 2 / 16
+
+    @classmethod
+    def alloc(cls, rt, elements: int) -> "Q8Rows":
+        n = -(-int(elements) // 32) * 32
+        return cls(rt.malloc(n), rt.malloc(4 * (n // 32)), rt.malloc(2 * (n // 16)), n)
+
+    def free(self) -> None:
+        for b in (self.xq, self.dx, self.xs):
+            b.free()
+
+
+def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: int | None = None) -> None:
+    """q <- the rows of x (rows x W floats, ldx apart) quantised per 32-column block."""
+    _need(W % 32 == 0, f"quantize_q8: width {W} is not a multiple of 32")
+    _need(rows * W <= q.capacity, f"quantize_q8: {rows} x {W} exceeds the scratch ({q.capacity})")
+    nb = rows * (W // 32)
+    rt.launch(kernel(rt, "qdot", "ds4_quantize_q8"), (_blocks(nb, 256),), (256,),
+              (x, np.int64(ldx or W), I32(W), I32(rows), q.xq, q.dx, q.xs))
+
+
+def qmatvec_rows_per_warp(rows: int) -> int:
+    return 2 if rows >= 16 else 1
+
+
+def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
+                   Wx: int | None = None, xg: int = 0, ldy: int | None = None,
+                   lane_slot: DeviceBuffer | None = None) -> None:
+    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide)."""
+    _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
+    n = w.rows // groups
+    r = qmatvec_rows_per_warp(n)
+    rt.launch(kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}"), (_blocks(n, 8 * r), groups, lane_groups(L)),
+              (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
+                       I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
+
+
+def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
+    """The routed experts of step_expert_list's entries, inputs quantised in q (rows K wide)."""
+    r = qmatvec_rows_per_warp(N)
+    rt.launch(kernel(rt, "qdot", f"ds4_qexperts_{wtype}_r{r}"), (expert_blocks(rt),), (256,),
+              (wbuf, np.int64(packed_row_bytes(wtype, K)), q.xq, q.dx, q.xs, I32(per_choice), elist, y,
+               I32(N), I32(K), I32(kk)))
+
+
+def qmatvec(raw, wtype: str, x, rt=None):
+    """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N)."""
+    rt = _rt(rt)
+    x = _f32(np.atleast_2d(x))
+    L, K = x.shape
+    packed = pack_qrows(wtype, raw)
+    dw = DeviceWeight(rt.upload(packed), wtype, packed.shape[0], weight_cols(raw, wtype), packed=True)
+    q = Q8Rows.alloc(rt, L * K)
+    try:
+        _need(K == dw.cols, f"qmatvec: x has {K} columns, W has {dw.cols}")
+        with _Scope(rt) as s:
+            y = s.out((L, dw.rows))
+            launch_quantize_q8(rt, s.up(x), q, L, K)
+            launch_qmatvec(rt, dw, q, y, L)
+            return s.get(y, (L, dw.rows))
+    finally:
+        dw.buf.free()
+        q.free()
+
+
+def quantize_q8(x, rt=None):
+    """Twin of canon.quantize_q8: x (rows, K) -> (codes int8, block scales f32)."""
+    rt = _rt(rt)
+    x = _f32(np.atleast_2d(x))
+    rows, K = x.shape
+    q = Q8Rows.alloc(rt, rows * K)
+    try:
+        with _Scope(rt) as s:
+            launch_quantize_q8(rt, s.up(x), q, rows, K)
+            rt.synchronize()
+            return (rt.download(q.xq, (rows, K), np.int8), rt.download(q.dx, (rows, K // 32), F32))
+    finally:
+        q.free()
+
+
+def qrouted_experts(raw, wtype: str, x, ids, rt=None):
+    """The backend's quantised routed experts: raw (E, N, row bytes) GGUF blocks, x (L, K) or
+    (L, kk, K) (one input per choice), ids (L, kk) -> (L, kk, N), each expert product canon.qlinear's."""
+    rt = _rt(rt)
+    x, ids = _f32(x), np.ascontiguousarray(ids, np.int32)
+    L, kk = ids.shape
+    E, N = raw.shape[0], raw.shape[1]
+    K = weight_cols(raw, wtype)
+    per_choice = x.ndim == 3
+    P = max(L, MAX_LANES)
+    xs = np.zeros((P, kk, K) if per_choice else (P, K), F32)
+    xs[:L] = x
+    slots = np.full(P, -1, np.int32)
+    slots[:L] = np.arange(L)
+    idp = np.zeros((P, kk), np.int32)
+    idp[:L] = ids
+    packed = pack_qrows(wtype, np.ascontiguousarray(raw, np.uint8).reshape(E * N, -1)).reshape(E, N, -1)
+    rows = P * (kk if per_choice else 1)
+    q = Q8Rows.alloc(rt, rows * K)
+    try:
+        with _Scope(rt) as s:
+            y = s.out((P, kk, N))
+            elist = s.out((expert_list_ints(E, kk, P),), I32)
+            rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
+                      (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
+            launch_quantize_q8(rt, s.up(xs), q, rows, K)
+            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
+            return s.get(y, (P, kk, N))[:L]
+    finally:
+        q.free()

@@ -455,3 +455,74 @@ def test_routed_experts(rt, seed, L, E, kk, shape, down, wtype, rpw):
         for t in range(kk):
             xi = x[l, t] if down else x[l]
             assert same_bits(got[l, t], ref.linear(xi, mats[ids[l, t]][1], split=False))
+
+
+# ---- quantised products (official numerics: int8 activations, exact integer block dots) ----
+
+def quant_raw(seed, n, k, wtype):
+    """GGUF rows of a block-quantised weight (the bytes the file holds)."""
+    return make_weight(seed, n, k, wtype)[0]
+
+
+def canon_qlinear(x, raw, wtype):
+    from ds4ref.reference import canon
+    return canon.qlinear(x, canon.quant_codes(wtype.upper(), raw))
+
+
+@SETTINGS
+@given(seed=seeds, rows=wide_lanes, kb=st.integers(1, 300),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]), special=st.sampled_from(["none", "zero", "inf", "nan"]))
+def test_quantize_q8(rt, seed, rows, kb, scale, special):
+    from ds4ref.reference import canon
+    x = rnd(seed, rows, 32 * kb, scale=scale)
+    if special != "none":  # a whole block of zeros, or one non-finite value in a block
+        x[0, 32:64] = 0.0 if special == "zero" else x[0, 32:64]
+        if special in ("inf", "nan") and x.shape[1] > 40:
+            x[0, 40] = np.inf if special == "inf" else np.nan
+    xq, dx = g.quantize_q8(x, rt=rt)
+    want_q, want_d = canon.quantize_q8(x)
+    assert np.array_equal(xq, want_q) and same_bits(dx, want_d)
+
+
+@SETTINGS
+@given(seed=seeds, L=wide_lanes, n=st.integers(1, 300), kb=st.integers(1, 200),
+       wtype=st.sampled_from(g.QUANT_WTYPES))
+def test_qmatvec(rt, seed, L, n, kb, wtype):
+    """Every quantised encoding, K up to 6400 (past several staged chunks, and not only whole
+    1024-column chunks), any row count, lanes alone and in prompt-pass groups: the reference's bits."""
+    k = 32 * kb if g.BLOCK_QUANTS[wtype][1] == 32 else 256 * max(1, kb // 8)
+    raw = quant_raw(seed, n, k, wtype)
+    x = rnd(seed + 1, L, k)
+    assert same_bits(g.qmatvec(raw, wtype, x, rt=rt), canon_qlinear(x, raw, wtype))
+
+
+@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+def test_qmatvec_batch_invariance(rt, wtype):
+    """At Flash's width: a lane's bits alone, among 16 or among 256 equal the reference's."""
+    raw = quant_raw(7, 512, 4096, wtype)
+    x = rnd(8, 256, 4096)
+    crowd = g.qmatvec(raw, wtype, x, rt=rt)
+    assert same_bits(crowd[:16], canon_qlinear(x[:16], raw, wtype))
+    assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
+    for l in (0, 5, 200):
+        assert np.array_equal(g.qmatvec(raw, wtype, x[l:l + 1], rt=rt)[0], crowd[l])
+
+
+@SETTINGS
+@given(seed=seeds, L=wide_lanes, E=st.sampled_from([4, 16]), kk=st.sampled_from([1, 2, 6]),
+       shape=st.sampled_from([(256, 512), (64, 256), (512, 2048)]), down=st.booleans(),
+       wtype=st.sampled_from(g.QUANT_WTYPES))
+def test_qrouted_experts(rt, seed, L, E, kk, shape, down, wtype):
+    """Each (lane, choice) is the reference's quantised product with that expert, whoever
+    else chose it."""
+    assume(kk <= E)
+    N, K = shape
+    rng = np.random.default_rng(seed)
+    raws = [quant_raw(seed + 10 * e, N, K, wtype) for e in range(E)]
+    ids = np.stack([np.sort(rng.choice(E, kk, replace=False)) for _ in range(L)]).astype(np.int32)
+    x = rnd(seed + 1, L, kk, K) if down else rnd(seed + 1, L, K)
+    got = g.qrouted_experts(np.stack(raws), wtype, x, ids, rt=rt)
+    for l in range(L):
+        for t in range(kk):
+            xi = x[l, t] if down else x[l]
+            assert same_bits(got[l, t], canon_qlinear(xi[None], raws[ids[l, t]], wtype)[0])

@@ -1,0 +1,369 @@
+// qdot.hip - products with block-quantised weights in `official` numerics
+// (docs/exactness.md, "Quantised products"; canon.quantize_q8 / canon.qlinear):
+//   * every input row is quantised per 32-column block to int8 (ds4_quantize_q8);
+//   * each block's dot with a weight block is an exact integer sum (dp4a), so its order
+//     cannot matter and any integer unit gives the same bits;
+//   * block b of a row ends as t_b = s1 * A_b - s2 * B_b (three roundings) and goes into
+//     partial b % 32 as fma(dx_b, t_b, partial) in increasing b; the 32 partials are
+//     combined by the warp's xor butterfly. Warp lane t owns partial t, so the lane that
+//     computes block b is the lane that adds it: no exchange, no other order.
+// A row's result depends only on its own data: never on its lane, on the other rows of
+// the pass, on how many rows are active or on how the columns are staged.
+//
+// Weights are the GGUF blocks, the unaligned ones repacked at upload so that a lane's
+// block is one aligned load (ops.pack_qrows): Q8_0 rows as [K int8][K/32 f16 d],
+// IQ2_XXS as [K/32 x (u32 grid indices, u32 signs + scale)][K/256 f16 d], MXFP4 as
+// [K/32 x 16 code bytes][K/32 E8M0 bytes], each row padded to 16 bytes. Q2_K and Q4_K
+// keep the file's super-blocks.
+#include "ds4_mv3.h"
+
+#define QB 32             // columns per quantised block
+#define MQ_WARPS 8
+#define MQ_SMEM 40960     // staged bytes per block: int8 codes, their scales and half sums
+#define MQ_CHUNK_UNIT 1024  // a chunk starts at a multiple of 32 blocks, so lane t keeps block b % 32 == t
+
+__device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
+#if DS4_IS_HIP
+#if defined(__gfx11__) || defined(__gfx12__)
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#else
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#endif
+#else
+    return __dp4a(a, b, c);
+#endif
+}
+
+// Rows x (rows, ldx floats apart), K columns each: xq (rows, K) int8, dx (rows, K/32), and the
+// sums of the codes of each 16-column half, xs (rows, K/16) (the K-quants' min terms need them).
+// One thread per (row, block). A block holding inf or NaN gets dx = NaN and zero codes, so the
+// NaN reaches every product of that row; a block whose dx is 0 (all zeros, or amax / 127
+// underflowing) gets zero codes.
+extern "C" __global__ void ds4_quantize_q8(const float* __restrict__ x, long long ldx, int K, int rows,
+                                           ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int nb = K / QB;
+    if (idx >= (long long)rows * nb) return;
+    long long r = idx / nb;
+    int b = (int)(idx % nb);
+    const float* p = x + r * ldx + (long long)b * QB;
+    float v[QB];
+    float amax = 0.0f;
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < QB; ++i) {
+        v[i] = p[i];
+        float a = fabsf(v[i]);
+        bad = bad || !(a <= 3.402823466e38f);
+        amax = a > amax ? a : amax;
+    }
+    float d = bad ? DS4_NAN : amax == 0.0f ? 0.0f : amax / 127.0f;
+    bool zero = bad || d == 0.0f;  // d is 0 also where amax / 127 underflows
+    ds4_u32 w[QB / 4];
+    int half[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < QB / 4; ++k) {
+        ds4_u32 word = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int q = zero ? 0 : __float2int_rn(v[4 * k + e] / d);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            half[k / 4] += q;
+            word |= ((ds4_u32)q & 0xffu) << (8 * e);
+        }
+        w[k] = word;
+    }
+    uint4* out = (uint4*)(xq + r * K + (long long)b * QB);
+    out[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    dx[r * nb + b] = d;
+    xs[r * (K / 16) + 2 * b] = (short)half[0];
+    xs[r * (K / 16) + 2 * b + 1] = (short)half[1];
+}
+
+// One weight block as the uniform codes: 32 int8 codes in 8 words, the integer multipliers
+// and mins of its two 16-column halves, and its two float scales (canon.quant_codes).
+struct QBlock {
+    int c[8];
+    int mul0, mul1, mn0, mn1;
+    float s1, s2;
+};
+
+template <int WT>
+struct QHasMin { static const bool value = WT == WT_Q2_K || WT == WT_Q4_K; };
+
+// Block b (columns 32b .. 32b+31) of the row at rp (K columns), decoded to QBlock.
+template <int WT>
+__device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, int b, QBlock& q,
+                                        const ds4_u16* iq2_grid) {
+    if (WT == WT_Q8_0) {
+        const uint4* p = (const uint4*)(rp + (long long)b * 32);
+        uint4 a = p[0], c = p[1];
+        q.c[0] = a.x; q.c[1] = a.y; q.c[2] = a.z; q.c[3] = a.w;
+        q.c[4] = c.x; q.c[5] = c.y; q.c[6] = c.z; q.c[7] = c.w;
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_MXFP4) {  // byte i: element i in the low nibble, element i + 16 in the high
+        uint4 a = *(const uint4*)(rp + (long long)b * 16);
+        ds4_u32 by[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            ds4_u32 lo = 0, hi = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                ds4_u32 byte = (by[k] >> (8 * e)) & 0xffu;
+                lo |= ((ds4_u32)(int)mv3_e2m1_doubled(byte & 0xfu) & 0xffu) << (8 * e);
+                hi |= ((ds4_u32)(int)mv3_e2m1_doubled(byte >> 4) & 0xffu) << (8 * e);
+            }
+            q.c[k] = (int)lo;
+            q.c[4 + k] = (int)hi;
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = mv3_e8m0_half(rp[K / 2 + b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_IQ2_XXS) {  // group l of 8 columns: grid row (aux0 byte l), signs (aux1 >> 7l)
+        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
+        ds4_u32 aux0 = sub.x, aux1 = sub.y;
+        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            ds4_u32 grid = iq2_grid[(aux0 >> (8 * l)) & 0xffu];
+            ds4_u32 sg = (aux1 >> (7 * l)) & 127u;
+            sg |= (ds4_u32)(__popc(sg) & 1) << 7;  // ggml's ksigns: the eighth sign makes the parity even
+            ds4_u32 word[2] = {0, 0};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                ds4_u32 c = (grid >> (2 * e)) & 3u;
+                int mag = c == 0u ? 8 : c == 1u ? 25 : c == 2u ? 43 : 0;
+                int v = (sg >> e) & 1u ? -mag : mag;
+                word[e / 4] |= ((ds4_u32)v & 0xffu) << (8 * (e % 4));
+            }
+            q.c[2 * l] = (int)word[0];
+            q.c[2 * l + 1] = (int)word[1];
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s2 = 0.0f;
+    } else if (WT == WT_Q2_K) {  // super-block: scales[16], qs[64], d, dmin; block j of 8 = half n, shift 2(j%4)
+        const ds4_u8* blk = rp + (long long)(b / 8) * 84;
+        int j = b % 8;
+        const ds4_u32* qs = (const ds4_u32*)(blk + 16 + 32 * (j / 4));
+        int sh = 2 * (j % 4);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q.c[k] = (int)((qs[k] >> sh) & 0x03030303u);
+        ds4_u32 sc0 = blk[2 * j], sc1 = blk[2 * j + 1];
+        q.mul0 = (int)(sc0 & 15u); q.mn0 = (int)(sc0 >> 4);
+        q.mul1 = (int)(sc1 & 15u); q.mn1 = (int)(sc1 >> 4);
+        ds4_u32 dd = *(const ds4_u32*)(blk + 80);
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    } else {  // Q4_K: d, dmin, scales[12], qs[128]; block j of 8 = nibble j%2 of the 32 bytes at 32(j/2)
+        const ds4_u8* blk = rp + (long long)(b / 8) * 144;
+        int j = b % 8;
+        const uint4* qp = (const uint4*)(blk + 16 + 32 * (j / 2));
+        uint4 a = qp[0], c = qp[1];
+        ds4_u32 w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        int sh = 4 * (j % 2);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q.c[k] = (int)((w[k] >> sh) & 0x0f0f0f0fu);
+        const ds4_u8* s = blk + 4;  // ggml's get_scale_min_k4
+        ds4_u32 sc = j < 4 ? s[j] & 63u : (s[j + 4] & 0xfu) | ((s[j - 4] >> 6) << 4);
+        ds4_u32 mn = j < 4 ? s[j + 4] & 63u : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        q.mul0 = q.mul1 = (int)sc;
+        q.mn0 = q.mn1 = (int)mn;
+        ds4_u32 dd = *(const ds4_u32*)blk;
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    }
+}
+
+// Rows of row block rblk (8*R rows, rb bytes apart from Wb) for na inputs: input a's codes at
+// xq + xoff[a] (K bytes), its scales at dx + doff[a] and half sums at xs + soff[a] (element
+// offsets), and y[ybase[a] + r] receives row r's product. xoff/doff/soff/ybase live in shared
+// memory and are written before the first barrier here.
+template <int WT, int R>
+__device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int K, int na,
+                                        const ds4_i8* __restrict__ xq, const float* __restrict__ dx,
+                                        const short* __restrict__ xs, const long long* xoff, const long long* doff,
+                                        const long long* soff, const long long* ybase, float* __restrict__ y,
+                                        ds4_u8* smem, int rblk) {
+    __shared__ ds4_u16 iq2_grid[WT == WT_IQ2_XXS ? 256 : 1];
+    if (WT == WT_IQ2_XXS)  // visible after the chunk loop's first barrier
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) iq2_grid[i] = DS4_IQ2XXS_GRID[i];
+    const bool has_min = QHasMin<WT>::value;
+    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    int row0 = rblk * (MQ_WARPS * R) + warp * R;
+    // bytes staged per column and input: the code, a quarter of the block scale, and (with
+    // mins) an eighth of the half sum
+    int per16 = has_min ? 20 : 18;  // per 16 columns: 16 codes + 2 (scale) + 2 (half sum)
+    int KC = (MQ_SMEM / na) / per16 * 16 / MQ_CHUNK_UNIT * MQ_CHUNK_UNIT;
+    if (KC > K) KC = K;
+    float acc[R][MV_LANES];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int a = 0; a < MV_LANES; ++a) acc[i][a] = 0.0f;
+    const ds4_u8* rowp[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) rowp[i] = Wb + (long long)(row0 + i < N ? row0 + i : 0) * rb;
+    ds4_i8* sq = (ds4_i8*)smem;                    // [na][KC] codes
+    float* sd = (float*)(smem + na * KC);          // [na][KC/32] block scales
+    short* ss = (short*)(sd + na * (KC / QB));     // [na][KC/16] half sums
+
+    for (int c0 = 0; c0 < K; c0 += KC) {
+        int kc = K - c0 < KC ? K - c0 : KC;
+        int nb = kc / QB;
+        __syncthreads();  // the previous chunk is consumed (and the offsets are visible)
+        int n16 = kc / 16;
+        for (int e = threadIdx.x; e < na * n16; e += blockDim.x) {  // 16 codes per 16-byte load
+            int a = e / n16, j = e - a * n16;
+            ((uint4*)(sq + (long long)a * KC))[j] = ((const uint4*)(xq + xoff[a] + c0))[j];
+        }
+        for (int e = threadIdx.x; e < na * nb; e += blockDim.x) {
+            int a = e / nb, j = e - a * nb;
+            sd[a * (KC / QB) + j] = dx[doff[a] + c0 / QB + j];
+        }
+        if (has_min)
+            for (int e = threadIdx.x; e < na * n16; e += blockDim.x) {
+                int a = e / n16, j = e - a * n16;
+                ss[a * (KC / 16) + j] = xs[soff[a] + c0 / 16 + j];
+            }
+        __syncthreads();
+        for (int lb = lane; lb < nb; lb += DS4_WARP) {
+            int b = c0 / QB + lb;
+            QBlock w[R];
+#pragma unroll
+            for (int i = 0; i < R; ++i) qb_load<WT>(rowp[i], K, b, w[i], iq2_grid);
+#pragma unroll
+            for (int a = 0; a < MV_LANES; ++a) {
+                if (a >= na) break;
+                const uint4* xp = (const uint4*)(sq + (long long)a * KC + lb * QB);
+                uint4 x0 = xp[0], x1 = xp[1];
+                float d = sd[a * (KC / QB) + lb];
+                int X0 = 0, X1 = 0;
+                if (has_min) {
+                    X0 = ss[a * (KC / 16) + 2 * lb];
+                    X1 = ss[a * (KC / 16) + 2 * lb + 1];
+                }
+#pragma unroll
+                for (int i = 0; i < R; ++i) {
+                    int S0 = ds4_dp4a(w[i].c[0], (int)x0.x, 0);
+                    S0 = ds4_dp4a(w[i].c[1], (int)x0.y, S0);
+                    S0 = ds4_dp4a(w[i].c[2], (int)x0.z, S0);
+                    S0 = ds4_dp4a(w[i].c[3], (int)x0.w, S0);
+                    int S1 = ds4_dp4a(w[i].c[4], (int)x1.x, 0);
+                    S1 = ds4_dp4a(w[i].c[5], (int)x1.y, S1);
+                    S1 = ds4_dp4a(w[i].c[6], (int)x1.z, S1);
+                    S1 = ds4_dp4a(w[i].c[7], (int)x1.w, S1);
+                    int A = w[i].mul0 * S0 + w[i].mul1 * S1;
+                    float t = w[i].s1 * (float)A;
+                    if (has_min) t = t - w[i].s2 * (float)(w[i].mn0 * X0 + w[i].mn1 * X1);
+                    acc[i][a] = fmaf(d, t, acc[i][a]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        int r = row0 + i;
+        if (r >= N) break;
+#pragma unroll
+        for (int a = 0; a < MV_LANES; ++a) {
+            if (a < na) {
+                float s = ds4_warp_sum(acc[i][a]);
+                if (lane == a) y[ybase[a] + r] = s;
+            }
+        }
+    }
+}
+
+// Dense: y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K], x quantised with rows W columns
+// wide (xq row l at l*W). Grid (ceil(N / (8R)), groups, lane groups of 16).
+template <int WT, int R>
+__device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {
+    __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];
+    __shared__ long long xoff[MV_LANES], doff[MV_LANES], soff[MV_LANES], ybase[MV_LANES];
+    int l0 = (int)blockIdx.z * MV_LANES;
+    int n = L - l0 < MV_LANES ? L - l0 : MV_LANES;
+    int na = mv3_active(n, lane_slot ? lane_slot + l0 : lane_slot);
+    if (na == 0) return;
+    int g = blockIdx.y;
+    if (threadIdx.x < na) {
+        long long l = l0 + threadIdx.x;
+        xoff[threadIdx.x] = l * Wx + (long long)g * xg;
+        doff[threadIdx.x] = (l * Wx + (long long)g * xg) / QB;
+        soff[threadIdx.x] = (l * Wx + (long long)g * xg) / 16;
+        ybase[threadIdx.x] = l * ldy + (long long)g * N;
+    }
+    mq_rows<WT, R>(W + (long long)g * N * rb, rb, N, K, na, xq, dx, xs, xoff, doff, soff, ybase, y, smem,
+                   blockIdx.x);
+}
+
+#define DS4_QMATVEC(NAME, WT, R)                                                                      \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP)                                \
+        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
+             int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {                       \
+        mq_body<WT, R>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                          \
+    }
+
+DS4_QMATVEC(ds4_qmatvec_q8_0_r1, WT_Q8_0, 1)
+DS4_QMATVEC(ds4_qmatvec_q8_0_r2, WT_Q8_0, 2)
+DS4_QMATVEC(ds4_qmatvec_q2_k_r1, WT_Q2_K, 1)
+DS4_QMATVEC(ds4_qmatvec_q2_k_r2, WT_Q2_K, 2)
+DS4_QMATVEC(ds4_qmatvec_q4_k_r1, WT_Q4_K, 1)
+DS4_QMATVEC(ds4_qmatvec_q4_k_r2, WT_Q4_K, 2)
+DS4_QMATVEC(ds4_qmatvec_iq2_xxs_r1, WT_IQ2_XXS, 1)
+DS4_QMATVEC(ds4_qmatvec_iq2_xxs_r2, WT_IQ2_XXS, 2)
+DS4_QMATVEC(ds4_qmatvec_mxfp4_r1, WT_MXFP4, 1)
+DS4_QMATVEC(ds4_qmatvec_mxfp4_r2, WT_MXFP4, 2)
+
+// Routed experts (step_ops.hip's ex3_body with quantised inputs): work entries of the expert
+// list (expert id, pair count, up to 16 (lane, choice) pairs), each item one row block of the
+// expert. Input of pair lt: row lt (x_per_choice) or lt / kk of the quantised rows, K wide.
+#define QX_PAIRS 16
+#define QX_STRIDE (2 + QX_PAIRS)
+
+template <int WT, int R>
+__device__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
+                        const short* xs, int x_per_choice, const int* __restrict__ list, float* __restrict__ y,
+                        int N, int K, int kk) {
+    __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];
+    __shared__ long long xoff[QX_PAIRS], doff[QX_PAIRS], soff[QX_PAIRS], ybase[QX_PAIRS];
+    int rblocks = (N + MQ_WARPS * R - 1) / (MQ_WARPS * R);
+    int n_items = list[0] * rblocks;
+    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+        const int* ent = list + 1 + (w / rblocks) * QX_STRIDE;
+        int na = ent[1];
+        __syncthreads();  // the previous item no longer reads the offsets
+        if (threadIdx.x < na) {
+            long long lt = ent[2 + threadIdx.x];
+            long long row = x_per_choice ? lt : lt / kk;
+            xoff[threadIdx.x] = row * K;
+            doff[threadIdx.x] = row * (K / QB);
+            soff[threadIdx.x] = row * (K / 16);
+            ybase[threadIdx.x] = lt * N;
+        }
+        mq_rows<WT, R>(W + (long long)ent[0] * N * rb, rb, N, K, na, xq, dx, xs, xoff, doff, soff, ybase, y,
+                       smem, w % rblocks);
+    }
+}
+
+#define DS4_QEXPERTS(NAME, WT, R)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP)                                \
+        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,          \
+             int x_per_choice, const int* list, float* y, int N, int K, int kk) {                        \
+        qx_body<WT, R>(W, rb, xq, dx, xs, x_per_choice, list, y, N, K, kk);                              \
+    }
+
+DS4_QEXPERTS(ds4_qexperts_q8_0_r1, WT_Q8_0, 1)
+DS4_QEXPERTS(ds4_qexperts_q8_0_r2, WT_Q8_0, 2)
+DS4_QEXPERTS(ds4_qexperts_q2_k_r1, WT_Q2_K, 1)
+DS4_QEXPERTS(ds4_qexperts_q2_k_r2, WT_Q2_K, 2)
+DS4_QEXPERTS(ds4_qexperts_q4_k_r1, WT_Q4_K, 1)
+DS4_QEXPERTS(ds4_qexperts_q4_k_r2, WT_Q4_K, 2)
+DS4_QEXPERTS(ds4_qexperts_iq2_xxs_r1, WT_IQ2_XXS, 1)
+DS4_QEXPERTS(ds4_qexperts_iq2_xxs_r2, WT_IQ2_XXS, 2)
+DS4_QEXPERTS(ds4_qexperts_mxfp4_r1, WT_MXFP4, 1)
+DS4_QEXPERTS(ds4_qexperts_mxfp4_r2, WT_MXFP4, 2)
