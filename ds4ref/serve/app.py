@@ -172,8 +172,10 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
         raise APIError(400, str(e), e.param, "invalid_messages") from None
     except ValueError as e:  # TokenizerError: e.g. lone surrogates UTF-8 cannot hold
         raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
-    except Exception:  # anything else is ours: no library internals in the answer
-        log.exception("tokenizing a prompt failed")
+    except Exception as e:  # anything else is ours: no library internals in the answer
+        # an exception's message may quote the prompt: the traceback only at debug level
+        log.error("tokenizing a prompt failed (%s); --log-level debug logs the traceback", type(e).__name__)
+        log.debug("tokenizing a prompt failed", exc_info=True)
         raise APIError(400, "cannot tokenize the prompt", param, "invalid_prompt") from None
 
 
