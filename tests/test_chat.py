@@ -216,3 +216,47 @@ def test_any_chat_renders_as_the_official_encoder(official, deepseek_v4_tokenize
     expected = official_prompt(official, messages, **options)
     assert render_chat(messages, **options) == expected
     assert encode_chat(deepseek_v4_tokenizer[0], messages, **options) == official_ids(deepseek_v4_tokenizer, expected)
+
+
+# ---- through the server, as an OpenAI client sends a multi-turn chat with tools -----------------
+
+def test_openai_client_tool_chat_reaches_the_model_as_the_official_prompt(official):
+    """Two rounds of an agent loop through the openai client: the first answer's tool call goes
+    back as the client serialises it, with the tool's result. Each prompt the model saw is the
+    official encoder's rendering of that request, tokenised whole."""
+    import httpx
+    import openai
+
+    import ds4ref
+    from ds4ref.serve.chat import render_tool_calls
+    from serve_helpers import LiveServer, after_prompt, scripted_state
+
+    tok = ds4ref.load().tokenizer
+    answer = tok.encode("weigh it</think>Let me check." + render_tool_calls([("get_weather", {"city": "Rome", "days": 2})]))
+    script = after_prompt(tok, answer)
+    seen, sent = set(), []
+
+    def next_token(history):
+        seen.add(tuple(history))
+        return script(history)
+
+    def keep(request):
+        sent.append(json.loads(request.content))
+
+    state = scripted_state(next_token, max_context=4096)
+    with LiveServer(state=state) as s, httpx.Client(event_hooks={"request": [keep]}) as http:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", http_client=http)
+        messages = [system("You are terse."), user("Weather in Rome? <b>now</b>")]
+        for _ in range(2):
+            seen.clear()
+            out = client.chat.completions.create(model="ds4-tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                                 max_tokens=len(answer) + 1, extra_body={"chat_template_kwargs":
+                                                                             {"thinking": True}})
+            body = sent[-1]
+            expected = tok.encode(official_prompt(official, body["messages"], thinking=True, tools=body["tools"]))
+            assert out.usage.prompt_tokens == len(expected) and tuple(expected) in seen
+            (tc,) = out.choices[0].message.tool_calls
+            messages += [out.choices[0].message, tool(tc.id, "sunny, 21°C"), user("and tomorrow?")]
+    assert [m["role"] for m in sent[-1]["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    back = sent[-1]["messages"][2]
+    assert back["tool_calls"][0]["function"]["name"] == "get_weather" and back["reasoning_content"] == "weigh it"
