@@ -2,9 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both optionally
 streamed as server-sent events ending with `data: [DONE]`), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /health, GET /metrics. Every invalid request is answered 400 with an
-OpenAI-style error body naming the field; a full waiting queue is 503 with
-Retry-After.
+POST /tokenize, POST /detokenize, GET /health, GET /metrics. Every invalid
+request is answered 400 with an OpenAI-style error body naming the field; a
+full waiting queue is 503 with Retry-After.
 """
 from __future__ import annotations
 
