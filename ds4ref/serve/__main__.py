@@ -93,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
     p.add_argument("--api-key", default=os.environ.get("DS4REF_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DS4REF_API_KEY, else open)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: $DS4REF_API_KEY, else open)")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated CORS origins allowed to call the API from a browser ('*' = any; "
                         "default: none)")
