@@ -776,8 +776,9 @@ def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncItera
                 delta["content"] = content
             if delta or infos:
                 yield chunk(delta, _chat_logprobs(infos, gen.state.tokenizer))
-        if gen.tool_calls:
-            yield chunk({"tool_calls": [c.openai(k) for k, c in enumerate(gen.tool_calls)]})
+        for k, call in enumerate(gen.tool_calls):  # known only once the block has closed well-formed
+            for delta in call.stream_deltas(k):
+                yield chunk({"tool_calls": [delta]})
         yield chunk({}, None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())
