@@ -145,10 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
+    _warm_up(state, args.backend)
     print(f"{state.banner}; listening on http://{args.host}:{args.port}\n{state.plan}", flush=True)
     from .shutdown import serve
     serve(create_app(state), state.runner, sock, args.log_level, args.shutdown_timeout, args.header_timeout)
     return 0
+
+
+def _warm_up(state, backend: str) -> None:
+    """Compile (first start after an install) or load the decode pass's Numba kernels before
+    listening, reporting each compile, now and for the rest of the process (a prompt pass's
+    threaded kernels compile at the first pass of that size)."""
+    from ..reference.warmup import report_compiles, warm_up
+    report = report_compiles(lambda line: print(line, flush=True))
+    if backend == "numpy":
+        seconds = warm_up(state.runner.scheduler.engine.backend.model)
+        if report.compiled:
+            print(f"numba: {len(report.compiled)} kernels ready in {seconds:.1f} s", flush=True)
 
 
 def _dry_run(args) -> int:
