@@ -51,6 +51,12 @@ def test_a_cold_start_compiles_before_listening_and_the_first_request_compiles_n
         assert lines[0].startswith("numba: compiling the NumPy reference's kernels"), lines
         assert len(compiled) >= 5 and "canon._attention_rows" in " ".join(compiled), lines
         assert lines[len(compiled) + 1].startswith(f"numba: {len(compiled)} kernels ready in "), lines
+        while time.monotonic() < deadline:  # the banner comes just before uvicorn accepts
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                        json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

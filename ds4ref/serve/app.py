@@ -248,7 +248,7 @@ class Generation:
             self.close()
             raise shutting_down(e) from None
         except StreamAborted:
-            pass  # the stream reads it again and ends with its error event, as before
+            pass  # sticky: the stream's first read raises it again and ends with its error event
         except BaseException:
             self.close()
             raise
