@@ -28,7 +28,7 @@ from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEv
 from ..scheduler.scheduler import QueueFull
 from .chat import DSML, ChatTemplateError, encode_chat, encode_prompt, thinking_requested
 from .protocol import U64, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .runner import Runner, StreamAborted
+from .runner import Runner, ServerShuttingDown, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
 from .structured import JSONConstraint, StructuredOutputError, structured_output
 from .tools import ToolCall, ToolCallStream
@@ -223,6 +223,7 @@ class Generation:
         self.completion_tokens = 0
         self.arrived = time.monotonic()
         self._stream = None
+        self._first: Optional[list] = None  # events read before a stream's response started
         self._closed = False
         self._engine_done = False  # a FinishEvent arrived: nothing left to cancel
 
@@ -241,6 +242,9 @@ class Generation:
             metrics.requests.inc("queue_full")
             raise APIError(503, f"server busy: {e}", None, "queue_full", "server_busy",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ServerShuttingDown as e:
+            metrics.requests.inc("unavailable")
+            raise shutting_down(e) from None
         except StreamAborted as e:
             metrics.requests.inc("unavailable")
             raise APIError(503, str(e), None, "unavailable", "server_error",
@@ -248,12 +252,46 @@ class Generation:
         metrics.requests.inc("accepted")
         metrics.prompt_tokens.inc(by=self.prompt_tokens)
 
+    async def first_events(self, http: HTTPRequest) -> None:
+        """Wait for the first events before a stream's response starts: a request the shutdown
+        aborts before then (still queued, or prefilling) gets its status, 503 with Retry-After,
+        not a 200 stream that carries the error. A client that leaves meanwhile is cancelled."""
+        work = asyncio.ensure_future(self._stream.next_events())
+        watch = asyncio.ensure_future(_until_disconnect(http))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                raise APIError(499, "client disconnected", None, "client_closed")
+            self._first = work.result()
+        except ServerShuttingDown as e:
+            self.close()
+            raise shutting_down(e) from None
+        except StreamAborted:
+            pass  # sticky: the stream's first read raises it again and ends with its error event
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            work.cancel()
+            watch.cancel()
+
+    async def _next_events(self) -> list:
+        if self._first is not None:
+            batch, self._first = self._first, None
+            return batch
+        return await self._stream.next_events()
+
     async def events(self) -> AsyncIterator[tuple[list[Delta], list[TokenInfo]]]:
         """(text deltas, new tokens) per batch of events, until the request ends.
-        Raises APIError(500) if the engine failed or the runner gave up on us."""
+        Raises APIError: 503 if the server is shutting down, 500 if the engine failed or the
+        runner gave up on us."""
         while self.finish_reason is None:
             try:
-                batch = await self._stream.next_events()
+                batch = await self._next_events()
+            except ServerShuttingDown as e:
+                self.finish_reason = "error"
+                raise shutting_down(e) from None
             except StreamAborted as e:
                 self.finish_reason = "error"
                 raise APIError(500, f"generation aborted: {e}", None, "aborted", "server_error") from None
@@ -433,6 +471,12 @@ def _chat_logprobs(infos: list[TokenInfo], tokenizer: Any) -> Optional[dict]:
 
 def _error_event(e: APIError) -> str:
     return sse(e.body())
+
+
+def shutting_down(exc: ServerShuttingDown) -> APIError:
+    """A request the shutdown ended: retryable, on another server or this one restarted."""
+    return APIError(503, f"generation aborted: {exc}", None, "server_shutting_down", "server_error",
+                    {"Retry-After": str(RETRY_AFTER_S)})
 
 
 def internal_error(exc: BaseException) -> APIError:
@@ -652,6 +696,7 @@ def create_app(state: ServerState) -> FastAPI:
         head = {"id": f"cmpl-{req.req_id}", "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
+            await gen.first_events(http)
             return CancellingStreamingResponse(_completion_stream(gen, head, body.include_usage), gen.close)
         _, answer = await collect(gen, http)
         return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens, state.tokenizer),
@@ -674,6 +719,7 @@ def create_app(state: ServerState) -> FastAPI:
         head = {"id": f"chatcmpl-{req.req_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
+            await gen.first_events(http)
             return CancellingStreamingResponse(_chat_stream(gen, head, body.include_usage), gen.close)
         reasoning, answer = await collect(gen, http)
         message = {"role": "assistant", "content": answer if answer or not gen.tool_calls else None}
@@ -773,8 +819,9 @@ def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncItera
                 delta["content"] = content
             if delta or infos:
                 yield chunk(delta, _chat_logprobs(infos, gen.state.tokenizer))
-        if gen.tool_calls:
-            yield chunk({"tool_calls": [c.openai(k) for k, c in enumerate(gen.tool_calls)]})
+        for k, call in enumerate(gen.tool_calls):  # known only once the block has closed well-formed
+            for delta in call.stream_deltas(k):
+                yield chunk({"tool_calls": [delta]})
         yield chunk({}, None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())
