@@ -442,6 +442,10 @@ class GGUFWeights(Weights):
     def _load_expert(self, name: str, e: int) -> np.ndarray:
         return self.file.read_expert(name, e)
 
+    @property
+    def where(self) -> str:
+        return self.file.path
+
     def qtype(self, name: str) -> QType:
         return self.file.tensor(name).qtype
 

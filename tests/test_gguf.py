@@ -340,3 +340,37 @@ def test_writer_rejects_rows_that_do_not_fill_blocks(tmp_path):
                    dtypes={"blk.0.attn_kv_a_norm.weight": "q8_0"})
     with pytest.raises(GGUFError, match="unknown tensor dtype 'f8'"):
         write_gguf(tmp_path / "y.gguf", cfg, random_tensors(cfg, 0), default_dtype="f8")
+
+
+HASHED = tiny_config(n_layer=3, compress_ratios=[0, 4, 128], n_hash_layers=2)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "hip"])
+def test_a_hash_route_naming_an_expert_twice_is_refused_at_load_by_both_backends(tmp_path, backend):
+    """The GPU expert kernels take distinct experts per token; the reference would compute the
+    repeat. Both refuse the file at load (before any device is opened), naming layer and token."""
+    import ds4ref
+    tensors = random_tensors(HASHED, seed=5)
+    table = tensors["blk.1.ffn_gate_tid2eid.weight"].copy()
+    table[7, 1] = table[7, 0]
+    tensors["blk.1.ffn_gate_tid2eid.weight"] = table
+    path = tmp_path / "repeat.gguf"
+    write_gguf(path, HASHED, tensors, tokenizer_meta=tiny_tokenizer_meta(HASHED.vocab_size))
+    with pytest.raises(WeightsError, match=rf"{path}: layer 1's hash routing table 'blk.1.ffn_gate_tid2eid.weight' "
+                                           rf"sends token 7 to expert {table[7, 0]} twice"):
+        ds4ref.load(path, backend=backend)
+
+
+def test_a_hash_route_outside_the_experts_is_refused():
+    tensors = random_tensors(HASHED, seed=5)
+    tensors["blk.0.ffn_gate_tid2eid.weight"][3, 1] = HASHED.n_expert
+    w = DictWeights(HASHED, tensors)
+    with pytest.raises(WeightsError, match=r"DictWeights: layer 0's hash routing table .* sends token 3 to expert 8, "
+                                           r"outside 0..7"):
+        w.check_hash_routes()
+
+
+def test_distinct_hash_routes_load():
+    import ds4ref.reference.model as ref
+    m = ref.Model(DictWeights(HASHED, random_tensors(HASHED, seed=5)))
+    assert m.weights.get("blk.1.ffn_gate_tid2eid.weight").shape == (HASHED.vocab_size, HASHED.n_expert_used)

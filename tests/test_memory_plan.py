@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import gguf
 import numpy as np
@@ -103,12 +105,18 @@ def test_dry_run_prints_the_plan_and_exits_0(no_tensor_data, capsys):
     assert f"{4 * 8} pages x {plan.layout.page_bytes('compact'):,} B (compact KV rows)" in out
 
 
-def test_dry_run_of_the_hip_backend_imports_no_gpu_code(no_tensor_data, capsys, monkeypatch):
-    import sys
-    for m in ("backend", "runtime", "guards", "device_state", "device_weights", "ops"):
-        monkeypatch.setitem(sys.modules, f"ds4ref.hip.{m}", None)  # importing it raises ImportError
+def test_dry_run_of_the_hip_backend_opens_no_device(no_tensor_data, capsys, monkeypatch):
+    """The pass workspace is sized by hip/workspace.py (plain arithmetic over the config); no
+    runtime is made, so no GPU library is loaded."""
+    import ds4ref.hip.runtime as runtime
+
+    def no_device():
+        raise AssertionError("the dry run opened a GPU runtime")
+    monkeypatch.setattr(runtime, "get_runtime", no_device)
+    monkeypatch.setitem(sys.modules, "ds4ref.hip.backend", None)  # importing it raises ImportError
     assert main(["--dry-run", "--backend", "hip"]) == 0
-    assert "device memory: checked at start" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "device memory: checked at start" in out and "pass workspace" in out
 
 
 def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
@@ -142,3 +150,95 @@ def test_bad_memory_budgets(text):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError):
         byte_size(text)
+
+
+# ---- the hip backend: the plan counts what HipBackend.configure allocates ----------------------------------
+
+class _Buffer:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def free(self) -> None:
+        pass
+
+
+class _Recorded(Exception):
+    """configure got past its allocations to recording the pass."""
+
+
+class HostRuntime:
+    """Enough of a GPU runtime for HipBackend to upload and configure on the host: buffers are
+    byte counts, and recording the pass (the first kernel looked up) stops configure."""
+    info = types.SimpleNamespace(vendor="nvidia", arch="sm_90", name="host", warp_size=32)
+    kind = "host"
+
+    def __init__(self, free: int = 1 << 40) -> None:
+        self.free, self.allocated = free, 0
+
+    def bind_thread(self) -> None:
+        pass
+
+    def compile_file(self, filename, options=()):
+        def kernel(name):
+            raise _Recorded(name)
+        return types.SimpleNamespace(kernel=kernel)
+
+    def malloc(self, nbytes: int) -> _Buffer:
+        self.allocated += nbytes
+        return _Buffer(nbytes)
+
+    def upload(self, arr) -> _Buffer:
+        return self.malloc(max(np.asarray(arr).nbytes, 4))
+
+    def memset32(self, buf, bits, n) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_info(self):
+        return self.free, 1 << 40
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics):
+    """The plan's pass workspace is, byte for byte, the block tables, lane fields, RoPE tables and
+    pass buffers configure allocates; paged history exactly and per-slot state at most the plan's;
+    and configure refuses exactly when the plan's state and workspace exceed 95% of free memory."""
+    from ds4ref.backend import PREFILL_ROWS
+    from ds4ref.hip.backend import HipBackend
+    from ds4ref.hip.guards import DeviceMemoryError
+    from ds4ref.model import from_file
+
+    model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, None, 300)
+    assert plan.workspace > 0 and plan.workspace_rows == PREFILL_ROWS
+    rt = HostRuntime()
+    backend = HipBackend(from_file(model_file, numerics=numerics).reference, runtime=rt)
+    uploaded = rt.allocated
+    with pytest.raises(_Recorded):
+        backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
+    st = backend.state
+    beside_state = (st.btab.nbytes + st.lanes.nbytes + sum(b.nbytes for b in backend.rope_cs.values())
+                    + sum(b.nbytes for b in backend._ws.values()))
+    assert beside_state == plan.workspace
+    assert sum(b.nbytes for b in st.pages.values()) == plan.paged
+    assert rt.allocated - uploaded - plan.workspace - plan.paged <= plan.slots
+
+    state_and_workspace = plan.total - plan.weights
+    free = int(state_and_workspace / 0.95)
+    while 0.95 * free < state_and_workspace:
+        free += 1
+    for fits, have in ((True, free), (False, free - 1)):
+        rt = HostRuntime(have)
+        backend = HipBackend(from_file(model_file, numerics=numerics).reference, runtime=rt)
+        uploaded = rt.allocated
+        with pytest.raises(_Recorded if fits else DeviceMemoryError):
+            backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
+        assert (rt.allocated > uploaded) == fits  # a refusal allocates nothing
+
+
+def test_the_dry_run_prints_the_hip_pass_workspace(tiny_model_path, capsys):
+    assert main(["--dry-run", "--backend", "hip", "--model", str(tiny_model_path)]) == 0
+    _, plan = serve.plan_start(str(tiny_model_path), "hip", "official", 16, None, None)
+    out = capsys.readouterr().out
+    assert f"pass workspace  {plan.workspace:>14,}" in out and f"total           {plan.total:>14,}" in out

@@ -211,6 +211,32 @@ def test_official_ids_equal_hf_and_round_trip(official, text):
     assert tok.decode_bytes(ids) == text.encode("utf-8")
 
 
+def spliced(parts) -> bool:
+    """Whether an unspecial part holds an added token's string (then it stays text)."""
+    return any(not special and any(a in text for a in ADDED_SAMPLES + list(SPLIT_SPECIALS)) for text, special in parts)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(UNICODE, st.booleans()), max_size=6))
+def test_parts_encode_as_their_concatenation(official, parts):
+    """Part boundaries never change the ids: only added tokens split the text, as in one string."""
+    tok, hf, *_ = official
+    whole = "".join(text for text, _ in parts)
+    ids = tok.encode_parts(parts)
+    assert tok.decode(ids) == whole
+    if not spliced(parts):
+        assert ids == hf.encode(whole, add_special_tokens=False).ids
+
+
+def test_unspecial_parts_keep_added_token_strings_as_text(tiny_tokenizer):
+    t = tiny_tokenizer
+    ids = t.encode_parts([("a", True), (f"{EOS}b", False), (f"{DSML}c", True)])
+    assert ids == t.encode(f"a{EOS}b", special=False) + [t.token_to_id(DSML)] + t.encode("c")
+    assert t.encode_parts([]) == [] and t.encode_parts([("", False), ("", True)]) == []
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        t.encode_parts([("ok", True), ("\ud800", False)])
+
+
 def test_every_added_token_of_the_official_file_streams(official):
     """decode_bytes on each of the 1283 added tokens (the streaming path calls it per token)."""
     tok, hf, *_ = official

@@ -97,21 +97,29 @@ def test_tool_call_message(scripted):
 
 
 def test_tool_call_stream(scripted):
+    """Streamed as OpenAI and vLLM stream calls: a first delta with index, id, type, name and
+    empty arguments, then argument fragments; the openai client's accumulation gives the
+    non-streaming call, arguments byte for byte."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
     client = openai.OpenAI(base_url=scripted.url + "/v1", api_key="unused")
-    content, calls, finish = "", {}, None
+    whole = client.chat.completions.create(model="ds4-tiny", messages=ASK, tools=[WEATHER], max_tokens=200)
+    state, deltas = ChatCompletionStreamState(), []
     for chunk in client.chat.completions.create(model="ds4-tiny", messages=ASK, tools=[WEATHER], max_tokens=200,
                                                 stream=True):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for tc in delta.tool_calls or []:
-            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-            entry["name"] += tc.function.name or ""
-            entry["arguments"] += tc.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-        assert DSML not in (delta.content or "")
-    assert (content, finish) == ("Let me check.", "tool_calls")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather",
-                                                                                   {"city": "Rome", "days": 2})]
+        state.handle_chunk(chunk)
+        delta = chunk.choices[0].delta if chunk.choices else None
+        deltas += [tc.model_dump(exclude_none=True) for tc in (delta.tool_calls or [])] if delta else []
+        assert DSML not in ((delta.content if delta else None) or "")
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Let me check."
+    (call,), (expected,) = final.message.tool_calls, whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == expected.function.arguments
+    assert json.loads(call.function.arguments) == {"city": "Rome", "days": 2}
+    head, *rest = deltas
+    assert head == {"index": 0, "id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    assert len(rest) == 4 and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} and
+                                  d["index"] == 0 for d in rest)
+    assert "".join(d["function"]["arguments"] for d in rest) == expected.function.arguments
 
 
 def test_tool_choice_none_leaves_tools_out(scripted):

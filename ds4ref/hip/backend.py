@@ -37,9 +37,11 @@ from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
 from ..reference import canon
 from ..reference.state import ATTN, INDEX
 from . import ops as K
-from .device_state import DeviceState, check_rows, lane_fields, lane_order, max_pages_per_slot
+from .device_state import DeviceState, check_rows, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
+from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
+                        workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
@@ -123,10 +125,10 @@ class HipBackend:
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         self.rt.bind_thread()
         self._release_state()
-        need = DeviceState.bytes_needed(self.cfg, n_slots, n_pages, page_tokens, self.compact)
-        need += 2 * 2 * 4 * (self.cfg.n_rot // 2) * min(self.cfg.context_length, n_pages * page_tokens)  # RoPE
-        maxp = max_pages_per_slot(n_pages, page_tokens, self.cfg.context_length)
-        work = 4 * self.max_rows * sum(self._workspace_sizes(maxp, page_tokens).values())
+        parts = device_bytes(self.cfg, n_slots, n_pages, page_tokens, self.max_rows, self.compact,
+                             self.quantised_products)
+        work = parts["workspace"]
+        need = sum(parts.values()) - work
         free, _total = self.rt.mem_info()
         if need + work > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
@@ -135,7 +137,7 @@ class HipBackend:
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
                                  n_lanes=self.max_rows)
-        self._rope_tables(min(self.cfg.context_length, n_pages * page_tokens))
+        self._rope_tables(rope_positions(self.cfg, n_pages, page_tokens))
         self._alloc_workspace()
         self.programs = {}
         for L in self.buckets:
@@ -237,86 +239,22 @@ class HipBackend:
 
     def _alloc_workspace(self) -> None:
         st, L = self.state, self.max_rows  # every bucket's program uses the first lanes of these buffers
-        for name, n in self._workspace_sizes(st.maxp, st.page_tokens).items():
+        for name, n in workspace_sizes(self.cfg, L, st.maxp, st.page_tokens, self.quantised_products).items():
             buf = self.rt.malloc(4 * L * n)
             self.rt.memset32(buf, 0, L * n)
             self._ws[name] = buf
         ws = self._ws
-        self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"], L * self._q8_width())
+        self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"],
+                            L * q8_width(self.cfg, self.quantised_products))
         self.rt.synchronize()
-
-    def _q8_width(self) -> int:
-        """Elements per lane of the widest input a quantised product takes: the routed experts'
-        down input is a lane's kk rows; 0 without quantised products."""
-        if not self.quantised_products:
-            return 0
-        c = self.cfg
-        return max(c.n_embd, c.q_lora_rank, c.n_head * c.head_dim, c.o_groups * c.o_lora_rank,
-                   c.expert_ff * max(c.n_expert_shared, 1), c.n_expert_used * c.expert_ff)
-
-    def _workspace_sizes(self, maxp: int, page_tokens: int) -> dict[str, int]:
-        """int32/float32 elements per lane of every workspace buffer at this page geometry."""
-        c, L = self.cfg, self.max_rows
-        D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
-        wmax = max(D, Di)
-        cmax = max([8] + [r for r in c.compress_ratios if r])
-        ffs = c.expert_ff * max(c.n_expert_shared, 1)
-        kk = c.n_expert_used
-        ncap4, at_nz = self._score_capacity(maxp, page_tokens), self._attention_slices(maxp, page_tokens)
-        f32 = {
-            "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
-            "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
-            "kv_raw": D, "kv": D, "kv8": D,
-            "ckv": 2 * D, "csc": 2 * D, "ikv": 2 * Di, "isc": 2 * Di,
-            "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
-            "crow3": wmax, "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
-            "qi": c.indexer_heads * Di, "qi_h": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
-            "wraw": c.indexer_heads, "scores": ncap4,
-            "o": c.n_head * D, "z": c.o_groups * c.o_lora_rank, "y": d,
-            "xn": d, "rlog": c.n_expert, "rw": kk, "eg": kk * c.expert_ff, "eu": kk * c.expert_ff,
-            "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
-            "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
-        }
-        f32["hs"] = hc * d  # the emitting rows' streams, gathered for the head
-        i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
-               "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L)}
-        # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
-        ksf = max([K.ksplit_floats(t.as_matrix().rows, t.as_matrix().cols, L) for t in self.w.mats.values()] + [1])
-        f32["ksplit"] = -(-ksf // L)
-        f32["at_m"] = f32["at_den"] = c.n_head * at_nz
-        f32["at_acc"] = c.n_head * at_nz * D
-        # quantised activations (ops.Q8Rows): int8 codes, f32 block scales, int16 half sums
-        q8 = -(-self._q8_width() // 32) * 32
-        f32.update(q8_codes=max(q8 // 4, 1), q8_scales=max(q8 // 32, 1), q8_sums=max(q8 // 32, 1))
-        return {**f32, **i32}
-
-    def _score_capacity(self, maxp: int, page_tokens: int) -> int:
-        """Indexer scores a lane can have: a slot's ratio-4 rows."""
-        return maxp * (page_tokens // 4) if 4 in self.cfg.compress_ratios else 1
-
-    def _attention_slices(self, maxp: int, page_tokens: int) -> int:
-        return _blocks(self.max_keys(maxp * page_tokens), K.AT3_SPLIT)
 
     @property
     def ncap4(self) -> int:
-        return self._score_capacity(self.state.maxp, self.state.page_tokens)
+        return score_capacity(self.cfg, self.state.maxp, self.state.page_tokens)
 
     @property
     def at_nz(self) -> int:
-        return self._attention_slices(self.state.maxp, self.state.page_tokens)
-
-    def max_keys(self, context: int) -> int:
-        """The most keys one lane's attention can read in any layer at this context: the raw
-        window plus the visible compressed rows (at most the top-k for ratio 4)."""
-        c = self.cfg
-        context = min(context, c.context_length)
-        most = c.sliding_window
-        for r in c.compress_ratios:
-            if r == 4:
-                most = max(most, c.sliding_window + min(c.indexer_top_k, context // 4))
-            elif r:
-                most = max(most, c.sliding_window + context // r + 1)
-        return most
+        return attention_slices(self.cfg, self.state.maxp, self.state.page_tokens)
 
     # ---- the pass --------------------------------------------------------------------------
     def _build(self, rec: Recorder) -> None:

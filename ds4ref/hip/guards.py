@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 from typing import Mapping
 
-import numpy as np
-
 SUPPORTED_ROCM_ARCHS = ("gfx1151",)
 # Weight encodings the matvec kernels read (GGML type names).
 SUPPORTED_WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q2_K", "Q4_K", "IQ2_XXS", "MXFP4", "I32")
@@ -56,20 +54,6 @@ def check_weight_types(weight_types: Mapping[str, str]) -> None:
             raise UnsupportedWeightError(
                 f"tensor {name!r} is {wtype}; the GPU kernels read {', '.join(SUPPORTED_WEIGHT_TYPES)} "
                 f"(convert it, or use the NumPy backend)")
-
-
-def check_hash_routes(name: str, tid2eid) -> None:
-    """The expert kernels list each expert once per lane (step_expert_list): a hash route
-    naming one expert twice for a token would lose that choice's output. Published tables
-    are permutations; refuse any other."""
-    ids = np.sort(np.asarray(tid2eid), axis=1)
-    repeated = ids[:, 1:] == ids[:, :-1]
-    tokens = np.flatnonzero(repeated.any(axis=1))
-    if tokens.size:
-        tok = int(tokens[0])
-        expert = int(ids[tok, 1:][repeated[tok]][0])
-        raise UnsupportedWeightError(f"tensor {name!r}: token {tok} routes to expert {expert} twice; the GPU "
-                                     f"expert kernels take distinct experts per token (use the NumPy backend)")
 
 
 def add_guard_args(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,9 @@
 
 From the config, the weights' stored bytes (the GGUF header gives them) and the serving
 flags: the weights, the paged KV history (pool pages x bytes per page), the per-slot
-fixed state (raw rings + compressor state) and their total; and, to compare the two
+fixed state (raw rings + compressor state), the hip backend's pass workspace (what
+HipBackend.configure allocates beside the state, from hip/workspace.device_bytes, the
+sizing configure itself uses) and their total; and, to compare the two
 storage forms, bytes per token of context and per slot as float32 and as compact rows.
 Sizes come from PageLayout, the pool size from pool_pages (what SeqEngine allocates).
 
@@ -33,6 +35,8 @@ class MemoryPlan:
     n_pages: int
     storage: str        # how the backend holds KV rows (layout.STORAGES)
     page_tokens: int = PAGE_TOKENS
+    workspace: int = 0  # the backend's allocations beside weights and state (hip: pass_workspace)
+    workspace_rows: int = 0  # the largest pass the workspace serves
 
     @property
     def layout(self) -> PageLayout:
@@ -52,7 +56,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.paged + self.slots
+        return self.weights + self.paged + self.slots + self.workspace
 
     def bytes_per_token(self, storage: str) -> float:
         """Paged history per token of context (the raw ring is per slot, not per token)."""
@@ -63,6 +67,27 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
               storage: str, page_tokens: int = PAGE_TOKENS) -> MemoryPlan:
     return MemoryPlan(config, weights, lanes, context,
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens)
+
+
+def pass_workspace(config: DS4Config, lanes: int, n_pages: int, page_tokens: int, max_rows: int,
+                   storage: str) -> int:
+    """What HipBackend.configure allocates beside the paged history and the per-slot state: block
+    tables, lane fields, RoPE tables and the max_rows-row pass's buffers (hip/workspace.py, the
+    sizing configure checks and allocates by)."""
+    from ..hip.workspace import device_bytes
+    layout = PageLayout(config, page_tokens)
+    # compact rows are official numerics on the hip backend, whose products with quantised
+    # weights take int8 activations (their scratch is part of the workspace)
+    official = storage == "compact"
+    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_rows, official, official).values())
+    return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
+
+
+def with_pass_workspace(plan: MemoryPlan, max_rows: int) -> MemoryPlan:
+    """The plan with the hip backend's pass workspace counted."""
+    from dataclasses import replace
+    return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
+                                                  max_rows, plan.storage), workspace_rows=max_rows)
 
 
 def backend_storage(backend: str, numerics: str, dtype="float32") -> str:
@@ -95,19 +120,21 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
     c = plan.config
     if plan.weights > available:
         raise PlanError(f"the weights alone need {size(plan.weights)} but {where} {size(available)}")
+    work = f" and {size(plan.workspace)} of pass workspace" if plan.workspace else ""
     raise PlanError(
         f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
         f"{size(plan.weights)}, {size(plan.paged)} of paged history ({plan.n_pages} pages) for "
         f"{plan.lanes} lanes x {plan.context} tokens (deepseek4.context_length, or --max-context / "
-        f"--kv-pool-tokens) and {size(plan.slots)} of per-lane state (deepseek4.attention.sliding_window = "
-        f"{c.sliding_window}); lower --max-context, --kv-pool-tokens or --max-concurrency")
+        f"--kv-pool-tokens), {size(plan.slots)} of per-lane state (deepseek4.attention.sliding_window = "
+        f"{c.sliding_window}){work}; lower --max-context, --kv-pool-tokens or --max-concurrency")
 
 
 def summary(plan: MemoryPlan) -> str:
     """The banner's line."""
+    work = f" + pass workspace {size(plan.workspace)}" if plan.workspace else ""
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
             f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
-            f"per-slot state {plan.lanes} x {size(plan.per_slot)}")
+            f"per-slot state {plan.lanes} x {size(plan.per_slot)}{work}")
 
 
 def table(plan: MemoryPlan, available: str) -> str:
@@ -117,6 +144,8 @@ def table(plan: MemoryPlan, available: str) -> str:
             ("paged history", plan.paged,
              f"{plan.n_pages} pages x {lay.page_bytes(plan.storage):,} B ({plan.storage} KV rows)"),
             ("per-slot state", plan.slots, f"{plan.lanes} lanes x {plan.per_slot:,} B"),
+            *([("pass workspace", plan.workspace, f"the {plan.workspace_rows}-row pass's buffers, RoPE tables, "
+                                                  f"block tables, lane fields")] if plan.workspace else []),
             ("total", plan.total, "")]
     out = [f"{name:<16}{n:>14,}  {size(n):>10}  {note}".rstrip() for name, n, note in rows]
     return "\n".join([*out, f"{'available':<16}{available}", "", *storage_lines(plan)])

@@ -47,6 +47,7 @@ class Model:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.weights, self.numerics = weights, numerics
         self.config: DS4Config = weights.config
+        weights.check_hash_routes()  # at load, for every backend built over this model
         if numerics == "official":
             self.config.check_official_numerics()
         self.dtype = weights.dtype

@@ -60,7 +60,8 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
     from ..gguf_io import open_gguf
-    from ..paging.plan import backend_storage, make_plan, weight_bytes
+    from ..backend import PREFILL_ROWS
+    from ..paging.plan import backend_storage, make_plan, weight_bytes, with_pass_workspace
     from ..tiny import default_model_path
 
     if not 1 <= max_concurrency <= MAX_LANES:
@@ -79,6 +80,8 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
     plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
                      kv_pool_tokens, backend_storage(backend, numerics))
+    if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
+        plan = with_pass_workspace(plan, PREFILL_ROWS)
     return model_file, plan
 
 

@@ -12,6 +12,7 @@ from ..cli import HelpFormatter
 
 from ..backend import PREFILL_ROWS
 from . import MAX_LANES
+from .connections import HEADER_TIMEOUT_S
 
 
 def _int_in(text: str, lo: int, hi: int | None, why: str = "") -> int:
@@ -38,6 +39,16 @@ def non_negative(text: str) -> int:
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return x
 
 
 def byte_size(text: str) -> int:
@@ -90,10 +101,14 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client may leave output unread before its request is cancelled (0 = never)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let open requests finish after SIGTERM/SIGINT")
+    p.add_argument("--header-timeout", type=non_negative_float, default=HEADER_TIMEOUT_S,
+                   help="seconds a client may take to send a request's line and headers before its connection "
+                        "is closed (slowloris; 0 = never)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
     p.add_argument("--api-key", default=os.environ.get("DS4REF_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DS4REF_API_KEY, else open)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: $DS4REF_API_KEY, else open)")
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated CORS origins allowed to call the API from a browser ('*' = any; "
                         "default: none)")
@@ -131,10 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
+    _warm_up(state, args.backend)
     print(f"{state.banner}; listening on http://{args.host}:{args.port}\n{state.plan}", flush=True)
     from .shutdown import serve
-    serve(create_app(state), state.runner, sock, args.log_level, args.shutdown_timeout)
+    serve(create_app(state), state.runner, sock, args.log_level, args.shutdown_timeout, args.header_timeout)
     return 0
+
+
+def _warm_up(state, backend: str) -> None:
+    """Compile (first start after an install) or load the decode pass's Numba kernels before
+    listening, reporting each compile, now and for the rest of the process (a prompt pass's
+    threaded kernels compile at the first pass of that size)."""
+    from ..reference.warmup import report_compiles, warm_up
+    report = report_compiles(lambda line: print(line, flush=True))
+    if backend == "numpy":
+        seconds = warm_up(state.runner.scheduler.engine.backend.model)
+        if report.compiled:
+            print(f"numba: {len(report.compiled)} kernels ready in {seconds:.1f} s", flush=True)
 
 
 def _dry_run(args) -> int:

@@ -2,9 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both optionally
 streamed as server-sent events ending with `data: [DONE]`), GET /v1/models,
-GET /health, GET /metrics. Every invalid request is answered 400 with an
-OpenAI-style error body naming the field; a full waiting queue is 503 with
-Retry-After.
+POST /tokenize, POST /detokenize, GET /health, GET /metrics. Every invalid
+request is answered 400 with an OpenAI-style error body naming the field; a
+full waiting queue is 503 with Retry-After.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..cli import plural
 from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
 from ..scheduler.scheduler import QueueFull
-from .chat import BOS, DSML, ChatTemplateError, encode_chat, thinking_requested
-from .protocol import U64, ChatCompletionRequest, CompletionRequest
-from .runner import Runner, StreamAborted
+from .chat import DSML, ChatTemplateError, encode_chat, encode_prompt, thinking_requested
+from .protocol import U64, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .runner import Runner, ServerShuttingDown, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
-from .structured import StructuredOutputError, structured_output
+from .structured import JSONConstraint, StructuredOutputError, structured_output
 from .tools import ToolCall, ToolCallStream
 
 log = logging.getLogger("ds4ref.serve")
@@ -172,9 +172,29 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
         raise APIError(400, str(e), e.param, "invalid_messages") from None
     except ValueError as e:  # TokenizerError: e.g. lone surrogates UTF-8 cannot hold
         raise APIError(400, f"cannot tokenize the prompt: {e}", param, "invalid_prompt") from None
-    except Exception:  # anything else is ours: no library internals in the answer
-        log.exception("tokenizing a prompt failed")
+    except Exception as e:  # anything else is ours: no library internals in the answer
+        # an exception's message may quote the prompt: the traceback only at debug level
+        log.error("tokenizing a prompt failed (%s); --log-level debug logs the traceback", type(e).__name__)
+        log.debug("tokenizing a prompt failed", exc_info=True)
         raise APIError(400, "cannot tokenize the prompt", param, "invalid_prompt") from None
+
+
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
+                       ) -> tuple[list[int], bool, Optional[JSONConstraint]]:
+    """A chat request's prompt ids, whether it thinks, and its response_format constraint."""
+    thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
+                                  body.thinking.model_dump() if body.thinking else None)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = body.tools_for_prompt()
+    try:
+        constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
+    except StructuredOutputError as e:
+        raise APIError(400, str(e), e.param, "invalid_response_format") from None
+    n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
+    ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
+                                              reasoning_effort=body.reasoning_effort, response_format=schema),
+                          "messages", n_chars, state)
+    return ids, thinking, constraint
 
 
 def _check_model(state: ServerState, model: Optional[str]) -> None:
@@ -203,6 +223,7 @@ class Generation:
         self.completion_tokens = 0
         self.arrived = time.monotonic()
         self._stream = None
+        self._first: Optional[list] = None  # events read before a stream's response started
         self._closed = False
         self._engine_done = False  # a FinishEvent arrived: nothing left to cancel
 
@@ -221,6 +242,9 @@ class Generation:
             metrics.requests.inc("queue_full")
             raise APIError(503, f"server busy: {e}", None, "queue_full", "server_busy",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ServerShuttingDown as e:
+            metrics.requests.inc("unavailable")
+            raise shutting_down(e) from None
         except StreamAborted as e:
             metrics.requests.inc("unavailable")
             raise APIError(503, str(e), None, "unavailable", "server_error",
@@ -228,12 +252,46 @@ class Generation:
         metrics.requests.inc("accepted")
         metrics.prompt_tokens.inc(by=self.prompt_tokens)
 
+    async def first_events(self, http: HTTPRequest) -> None:
+        """Wait for the first events before a stream's response starts: a request the shutdown
+        aborts before then (still queued, or prefilling) gets its status, 503 with Retry-After,
+        not a 200 stream that carries the error. A client that leaves meanwhile is cancelled."""
+        work = asyncio.ensure_future(self._stream.next_events())
+        watch = asyncio.ensure_future(_until_disconnect(http))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                raise APIError(499, "client disconnected", None, "client_closed")
+            self._first = work.result()
+        except ServerShuttingDown as e:
+            self.close()
+            raise shutting_down(e) from None
+        except StreamAborted:
+            pass  # sticky: the stream's first read raises it again and ends with its error event
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            work.cancel()
+            watch.cancel()
+
+    async def _next_events(self) -> list:
+        if self._first is not None:
+            batch, self._first = self._first, None
+            return batch
+        return await self._stream.next_events()
+
     async def events(self) -> AsyncIterator[tuple[list[Delta], list[TokenInfo]]]:
         """(text deltas, new tokens) per batch of events, until the request ends.
-        Raises APIError(500) if the engine failed or the runner gave up on us."""
+        Raises APIError: 503 if the server is shutting down, 500 if the engine failed or the
+        runner gave up on us."""
         while self.finish_reason is None:
             try:
-                batch = await self._stream.next_events()
+                batch = await self._next_events()
+            except ServerShuttingDown as e:
+                self.finish_reason = "error"
+                raise shutting_down(e) from None
             except StreamAborted as e:
                 self.finish_reason = "error"
                 raise APIError(500, f"generation aborted: {e}", None, "aborted", "server_error") from None
@@ -415,6 +473,12 @@ def _error_event(e: APIError) -> str:
     return sse(e.body())
 
 
+def shutting_down(exc: ServerShuttingDown) -> APIError:
+    """A request the shutdown ended: retryable, on another server or this one restarted."""
+    return APIError(503, f"generation aborted: {exc}", None, "server_shutting_down", "server_error",
+                    {"Retry-After": str(RETRY_AFTER_S)})
+
+
 def internal_error(exc: BaseException) -> APIError:
     """What a client sees of a bug: OpenAI-shaped, naming the exception."""
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")
@@ -524,15 +588,18 @@ class CountErrors:
         await self.app(scope, receive, counting_send if scope["type"] == "http" else send)
 
 
+OPEN_PATHS = ("/health", "/metrics")  # for probes and scrapers: counts and states, no request text
+
+
 class RequireAPIKey:
-    """`Authorization: Bearer KEY` on the API paths (/v1/...); 401 in OpenAI's shape otherwise.
-    /health and /metrics stay open for probes and scrapers."""
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS (and CORS preflights); 401 in
+    OpenAI's shape otherwise. The answer never quotes the header, nor the key."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -615,9 +682,8 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         if isinstance(body.prompt, str):
             text = body.prompt
-            # DS4 expects BOS first; a prompt that already starts with it is left alone
-            ids = await _tokenize(lambda: ([] if text.startswith(BOS) else [state.tokenizer.bos_id])
-                                  + list(state.tokenizer.encode(text)), "prompt", len(text), state)
+            ids = await _tokenize(lambda: encode_prompt(state.tokenizer, text, body.parse_special), "prompt",
+                                  len(text), state)
         else:
             ids = list(body.prompt)
         _check_prompt(state, ids, "prompt")
@@ -630,6 +696,7 @@ def create_app(state: ServerState) -> FastAPI:
         head = {"id": f"cmpl-{req.req_id}", "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
+            await gen.first_events(http)
             return CancellingStreamingResponse(_completion_stream(gen, head, body.include_usage), gen.close)
         _, answer = await collect(gen, http)
         return dict(head, choices=[{"index": 0, "text": answer, "logprobs": _completion_logprobs(gen.tokens, state.tokenizer),
@@ -638,18 +705,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         _check_model(state, body.model)
-        thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
-                                      body.thinking.model_dump() if body.thinking else None)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids, thinking, constraint = await _chat_prompt(state, body)
         tools = body.tools_for_prompt()
-        try:
-            constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
-        except StructuredOutputError as e:
-            raise APIError(400, str(e), e.param, "invalid_response_format") from None
-        n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
-        ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
-                                                  reasoning_effort=body.reasoning_effort, response_format=schema),
-                              "messages", n_chars, state)
         _check_prompt(state, ids, "messages")
         asked, which = ((body.max_completion_tokens, "max_completion_tokens")
                         if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
@@ -662,6 +719,7 @@ def create_app(state: ServerState) -> FastAPI:
         head = {"id": f"chatcmpl-{req.req_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name}
         if body.stream:
+            await gen.first_events(http)
             return CancellingStreamingResponse(_chat_stream(gen, head, body.include_usage), gen.close)
         reasoning, answer = await collect(gen, http)
         message = {"role": "assistant", "content": answer if answer or not gen.tool_calls else None}
@@ -671,6 +729,37 @@ def create_app(state: ServerState) -> FastAPI:
             message["tool_calls"] = [c.openai() for c in gen.tool_calls]
         return dict(head, choices=[{"index": 0, "message": message, "logprobs": _chat_logprobs(gen.tokens, state.tokenizer),
                                     "finish_reason": gen.finish_reason}], usage=gen.usage())
+
+    # ---- tokenizer endpoints (vLLM's and llama.cpp's servers have the same) ----
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt (a text) and messages (a chat)", None, "invalid_value")
+        if body.messages is not None:
+            for name in ("parse_special", "add_special_tokens"):
+                if getattr(body, name):
+                    raise APIError(400, f"{name} applies to a prompt only: a chat's control tokens come from "
+                                        "its template, never from its text", name, "invalid_value")
+            ids, _, _ = await _chat_prompt(state, body)
+        else:
+            text = body.prompt
+            ids = await _tokenize(lambda: encode_prompt(state.tokenizer, text, body.parse_special is not False,
+                                                        body.add_special_tokens is not False),
+                                  "prompt", len(text), state)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        n = state.tokenizer.vocab_size
+        bad = next(((k, t) for k, t in enumerate(body.tokens) if not 0 <= t < n), None)
+        if bad is not None:
+            raise APIError(400, f"tokens[{bad[0]}] is {bad[1]}, outside the vocabulary (0..{n - 1})", "tokens",
+                           "invalid_token")
+        # off the event loop: a long list must not hold up the other streams
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     return app
 
@@ -730,8 +819,9 @@ def _chat_stream(gen: Generation, head: dict, include_usage: bool) -> AsyncItera
                 delta["content"] = content
             if delta or infos:
                 yield chunk(delta, _chat_logprobs(infos, gen.state.tokenizer))
-        if gen.tool_calls:
-            yield chunk({"tool_calls": [c.openai(k) for k, c in enumerate(gen.tool_calls)]})
+        for k, call in enumerate(gen.tool_calls):  # known only once the block has closed well-formed
+            for delta in call.stream_deltas(k):
+                yield chunk({"tool_calls": [delta]})
         yield chunk({}, None, gen.finish_reason)
 
     return _sse_frame(gen, head, include_usage, body())

@@ -23,14 +23,21 @@ against that encoder run from a published package. Its rules:
 * `reasoning_effort: "max"` in thinking mode puts a fixed instruction before
   everything else.
 
-Special-token strings in the text are turned into ids by the tokenizer, as in
-every DeepSeek server: a message containing `<｜User｜>` injects that token.
+Control tokens come only from the template. The rendering is a list of
+segments, each the template's own text (structure: BOS, role markers, end of
+turn, thinking tags, DSML and tool-result markup, the fixed instructions) or
+text from the request (data: content, names, tool definitions, tool-call
+arguments, tool results, reasoning, the response schema). `encode_chat`
+tokenises structure with special-token parsing and data without, so a message
+containing `<｜User｜>` is those characters, never the token. Where the data
+holds no added-token string the ids are exactly the tokenizer's ids of the
+whole rendered text (Tokenizer.encode_parts says why).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
@@ -217,28 +224,60 @@ def _order_results(turns: list[Turn]) -> None:
 
 # ---- rendering ----------------------------------------------------------------------------
 
-def render_tools(tools: Sequence[Mapping]) -> str:
-    schemas = "\n".join(to_json(t["function"]) for t in tools)
-    return TOOLS_PROMPT.replace("{D}", DSML).replace("{SCHEMAS}", schemas)
+class Segment(NamedTuple):
+    text: str
+    data: bool  # from the request: its added-token strings stay text
 
 
-def _extras(t: Turn) -> str:
-    out = ""
-    if t.tools:
-        out += "\n\n" + render_tools(t.tools)
-    if t.response_format:
-        out += "\n\n" + RESPONSE_FORMAT_PROMPT + to_json(t.response_format)
+def S(text: str) -> list[Segment]:
+    """The template's own text."""
+    return [Segment(text, False)]
+
+
+def D(text: str) -> list[Segment]:
+    """Text from the request."""
+    return [Segment(text, True)]
+
+
+def joined(sep: str, items: Sequence[list[Segment]]) -> list[Segment]:
+    out: list[Segment] = []
+    for k, item in enumerate(items):
+        out += (S(sep) if k else []) + item
     return out
 
 
-def render_tool_calls(calls: Sequence[tuple[str, Mapping]]) -> str:
+def text_of(segments: Sequence[Segment]) -> str:
+    return "".join(seg.text for seg in segments)
+
+
+def render_tools(tools: Sequence[Mapping]) -> list[Segment]:
+    head, tail = TOOLS_PROMPT.replace("{D}", DSML).split("{SCHEMAS}")
+    return S(head) + joined("\n", [D(to_json(t["function"])) for t in tools]) + S(tail)
+
+
+def _extras(t: Turn) -> list[Segment]:
+    out: list[Segment] = []
+    if t.tools:
+        out += S("\n\n") + render_tools(t.tools)
+    if t.response_format:
+        out += S("\n\n" + RESPONSE_FORMAT_PROMPT) + D(to_json(t.response_format))
+    return out
+
+
+def tool_call_segments(calls: Sequence[tuple[str, Mapping]]) -> list[Segment]:
     """The DSML block the model writes for these calls (string values verbatim, others as JSON)."""
     invokes = []
     for name, args in calls:
-        params = "\n".join(f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-                           f'{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>' for k, v in args.items())
-        invokes.append(f'<{DSML}invoke name="{name}">\n{params}\n</{DSML}invoke>')
-    return f"\n\n<{DSML}{TOOL_CALLS_BLOCK}>\n" + "\n".join(invokes) + f"\n</{DSML}{TOOL_CALLS_BLOCK}>"
+        params = [S(f'<{DSML}parameter name="') + D(k) + S(f'" string="{"true" if isinstance(v, str) else "false"}">')
+                  + D(v if isinstance(v, str) else to_json(v)) + S(f"</{DSML}parameter>") for k, v in args.items()]
+        invokes.append(S(f'<{DSML}invoke name="') + D(name) + S('">\n') + joined("\n", params)
+                       + S(f"\n</{DSML}invoke>"))
+    return (S(f"\n\n<{DSML}{TOOL_CALLS_BLOCK}>\n") + joined("\n", invokes)
+            + S(f"\n</{DSML}{TOOL_CALLS_BLOCK}>"))
+
+
+def render_tool_calls(calls: Sequence[tuple[str, Mapping]]) -> str:
+    return text_of(tool_call_segments(calls))
 
 
 def _last_user(turns: Sequence[Turn]) -> int:
@@ -257,39 +296,39 @@ def _drop_earlier_thinking(turns: list[Turn]) -> list[Turn]:
     return out
 
 
-def _render_turn(t: Turn, thinking: bool, keep_reasoning: bool) -> str:
+def _render_turn(t: Turn, thinking: bool, keep_reasoning: bool) -> list[Segment]:
     if t.role == "system":
-        return t.text + _extras(t)
+        return D(t.text) + _extras(t)
     if t.role == "developer":
-        return USER + t.text + _extras(t)
+        return S(USER) + D(t.text) + _extras(t)
     if t.role == "user":
-        return USER + "\n\n".join(f"{TOOL_RESULT_OPEN}{x}{TOOL_RESULT_CLOSE}" if kind == "tool" else x
-                                  for kind, x in t.blocks)
-    reasoning = t.reasoning + THINK_END if thinking and keep_reasoning else ""
-    calls = render_tool_calls(t.calls) if t.calls else ""
-    return reasoning + t.text + calls + ("" if t.prefix else EOS)
+        return S(USER) + joined("\n\n", [S(TOOL_RESULT_OPEN) + D(x) + S(TOOL_RESULT_CLOSE) if kind == "tool"
+                                          else D(x) for kind, x in t.blocks])
+    reasoning = D(t.reasoning) + S(THINK_END) if thinking and keep_reasoning else []
+    calls = tool_call_segments(t.calls) if t.calls else []
+    return reasoning + D(t.text) + calls + ([] if t.prefix else S(EOS))
 
 
-def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[str] = None) -> str:
+def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[str] = None) -> list[Segment]:
     drop = not any(t.tools for t in turns)  # with tools, earlier reasoning is kept
     if thinking and drop:
         turns = _drop_earlier_thinking(turns)
     last_user = _last_user(turns)
-    out = [BOS]
+    out = S(BOS)
     if thinking and reasoning_effort == "max":
-        out.append(REASONING_EFFORT_MAX)
+        out += S(REASONING_EFFORT_MAX)
     for i, t in enumerate(turns):
-        out.append(_render_turn(t, thinking, keep_reasoning=not drop or i > last_user))
+        out += _render_turn(t, thinking, keep_reasoning=not drop or i > last_user)
         followed_by_answer = i + 1 == len(turns) or turns[i + 1].role == "assistant"
         if t.role in USER_ROLES and followed_by_answer:
             opens = thinking and (not drop or i >= last_user)
-            out += [ASSISTANT, THINK_START if opens else THINK_END]
-    return "".join(out)
+            out += S(ASSISTANT + (THINK_START if opens else THINK_END))
+    return out
 
 
-def render_chat(messages: Sequence[Any], thinking: bool = False, tools: Optional[Sequence[Mapping]] = None,
-                reasoning_effort: Optional[str] = None, response_format: Any = None) -> str:
-    """Render messages to DS4 prompt text (special tokens as their strings).
+def render_segments(messages: Sequence[Any], thinking: bool = False, tools: Optional[Sequence[Mapping]] = None,
+                    reasoning_effort: Optional[str] = None, response_format: Any = None) -> list[Segment]:
+    """Render messages to DS4 prompt segments (structure and data, see the module's docstring).
 
     The last message must be a user, developer or tool turn (a generation
     prompt follows), or an assistant message marked `prefix: true`, whose text
@@ -311,9 +350,23 @@ def render_chat(messages: Sequence[Any], thinking: bool = False, tools: Optional
     return render_turns(turns, thinking, reasoning_effort)
 
 
+def render_chat(messages: Sequence[Any], thinking: bool = False, **kw) -> str:
+    """The prompt text of `render_segments` (special tokens as their strings)."""
+    return text_of(render_segments(messages, thinking, **kw))
+
+
 def encode_chat(tokenizer: Any, messages: Sequence[Any], thinking: bool = False, **kw) -> list[int]:
-    """Render and tokenise; the tokenizer maps special-token strings to their ids."""
-    return list(tokenizer.encode(render_chat(messages, thinking, **kw)))
+    """Render and tokenise: the template's added-token strings become ids, the request's stay text."""
+    return list(tokenizer.encode_parts((seg.text, not seg.data) for seg in render_segments(messages, thinking, **kw)))
+
+
+def encode_prompt(tokenizer: Any, text: str, parse_special: bool = True, add_bos: bool = True) -> list[int]:
+    """A raw prompt's ids, BOS first. With parse_special (the caller's own text, as llama.cpp's
+    server does) added-token strings become ids and a prompt that already starts with BOS's
+    string gets no second one; without, the whole text is plain text."""
+    ids = list(tokenizer.encode(text, special=parse_special))
+    starts_with_bos = parse_special and text.startswith(BOS)
+    return ([tokenizer.bos_id] if add_bos and not starts_with_bos else []) + ids
 
 
 # ---- the per-request thinking switch ------------------------------------------

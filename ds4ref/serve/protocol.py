@@ -113,6 +113,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: Optional[StrictInt] = None
     suffix: Optional[StrictStr] = None
+    parse_special: StrictBool = True  # false: added-token strings in a text prompt are text (untrusted text)
 
     @field_validator("prompt")
     @classmethod
@@ -281,3 +282,18 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(ChatCompletionRequest):
+    """POST /tokenize: a text `prompt` (vLLM's and llama.cpp's fields) or a chat (the chat fields,
+    rendered as /v1/chat/completions renders them); app.py checks that exactly one is given."""
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    prompt: Optional[StrictStr] = None
+    parse_special: Optional[StrictBool] = None       # prompt only; default true
+    add_special_tokens: Optional[StrictBool] = None  # prompt only: BOS first; default true
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize."""
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]

@@ -35,6 +35,10 @@ class StreamAborted(Exception):
     """The runner gave up on this stream (client too slow, or the engine failed)."""
 
 
+class ServerShuttingDown(StreamAborted):
+    """The runner stopped for a server shutdown: the request may be retried elsewhere."""
+
+
 class RequestStream:
     """Events of one request, from the runner thread to one asyncio consumer."""
 
@@ -47,6 +51,7 @@ class RequestStream:
         self._wakeup = asyncio.Event()
         self.last_take = time.monotonic()
         self.aborted: Optional[str] = None  # why the runner gave up, once it has
+        self._abort_as: type[StreamAborted] = StreamAborted
         self._parked = False  # the consumer is waiting in next_events
 
     # ---- runner side ------------------------------------------------------
@@ -59,7 +64,8 @@ class RequestStream:
         self._wake()
         return True
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, error: type[StreamAborted] = StreamAborted) -> None:
+        self._abort_as = error
         self.aborted = reason
         self._wake()
 
@@ -87,7 +93,7 @@ class RequestStream:
             if items:
                 return items
             if self.aborted is not None:
-                raise StreamAborted(self.aborted)
+                raise self._abort_as(self.aborted)
             self._wakeup.clear()
             self._parked = True
             try:
@@ -200,7 +206,7 @@ class Runner:
             log.exception("runner thread died")
             self._abort_all(self.error)
         finally:
-            self._abort_all("server shutting down")
+            self._abort_all("server shutting down", ServerShuttingDown)
 
     def _apply_inbox(self) -> None:
         with self._inbox_lock:
@@ -286,15 +292,15 @@ class Runner:
             self._cancel_in_scheduler(s.req_id)
             s.abort(why)
 
-    def _abort_all(self, why: str) -> None:
+    def _abort_all(self, why: str, error: type[StreamAborted] = StreamAborted) -> None:
         with self._inbox_lock:
             streams, self._streams = list(self._streams.values()), {}
             inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, _Submit):
-                item.done(StreamAborted(why))
+                item.done(error(why))
         for s in streams:
-            s.abort(why)
+            s.abort(why, error)
 
     def _refresh_stats(self) -> None:
         stats = self.scheduler.stats()

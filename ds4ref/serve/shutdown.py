@@ -25,6 +25,8 @@ import threading
 
 import uvicorn
 
+from .connections import HEADER_TIMEOUT_S, header_deadline_protocol
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FLUSH_S = 2.0        # after the runner is stopped: time for handlers to write their last bytes
 FORCED_FLUSH_S = 0.5  # the same after a second signal
@@ -85,10 +87,11 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(POLL_S)
 
 
-def serve(app, runner, sock, log_level: str, grace_s: float) -> None:
+def serve(app, runner, sock, log_level: str, grace_s: float, header_timeout: float = HEADER_TIMEOUT_S) -> None:
     """Serve on the bound socket until SIGTERM/SIGINT; then end every request cleanly and die
-    by that signal."""
-    server = GracefulServer(uvicorn.Config(app, log_level=log_level), runner, grace_s)
+    by that signal. A connection whose request headers take over header_timeout s is closed."""
+    config = uvicorn.Config(app, log_level=log_level, http=header_deadline_protocol(header_timeout))
+    server = GracefulServer(config, runner, grace_s)
     server.run(sockets=[sock])
     if server.signals:
         sys.stdout.flush()

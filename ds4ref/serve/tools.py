@@ -45,15 +45,24 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # a JSON object, as text
+    fragments: tuple[str, ...] = ()  # the arguments in stream order: "{", one per parameter, "}"
 
     def openai(self, index: Optional[int] = None) -> dict:
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index, **out}
 
+    def stream_deltas(self, index: int) -> list[dict]:
+        """The call as OpenAI and vLLM stream it: a first delta with index, id, type, name and
+        empty arguments, then the arguments in fragments (index and arguments only) whose
+        concatenation is exactly `arguments`."""
+        head = {"index": index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": ""}}
+        return [head, *({"index": index, "function": {"arguments": f}} for f in self.fragments or (self.arguments,))]
 
-def _arguments(params: str) -> Optional[str]:
+
+def _arguments(params: str) -> Optional[tuple[str, ...]]:
+    """The arguments' JSON object in fragments (their concatenation is the object), or None."""
     if not params:
-        return "{}"
+        return ("{}",)
     if not params.endswith(PARAM_END):
         return None
     parts, seen = [], set()
@@ -63,14 +72,14 @@ def _arguments(params: str) -> Optional[str]:
             return None
         key, is_str, value = m.groups()
         seen.add(key)
-        parts.append(f"{json.dumps(key, ensure_ascii=False)}: "
+        parts.append(f"{', ' if parts else ''}{json.dumps(key, ensure_ascii=False)}: "
                      f"{json.dumps(value, ensure_ascii=False) if is_str == 'true' else value}")
-    text = "{" + ", ".join(parts) + "}"
+    fragments = ("{", *parts, "}")
     try:
-        json.loads(text)
+        json.loads("".join(fragments))
     except ValueError:
         return None
-    return text
+    return fragments
 
 
 def parse_tool_calls(text: str) -> Optional[list[ToolCall]]:
@@ -86,7 +95,7 @@ def parse_tool_calls(text: str) -> Optional[list[ToolCall]]:
         args = None if m is None else _arguments(m.group(2))
         if args is None:
             return None
-        calls.append(ToolCall(f"call_{next(_call_ids)}", m.group(1), args))
+        calls.append(ToolCall(f"call_{next(_call_ids)}", m.group(1), "".join(args), args))
     return calls
 
 

@@ -1,0 +1,116 @@
+"""What HipBackend.configure allocates beside the weights, in bytes, from the config alone.
+
+One sizing for both users: configure checks it against free device memory and allocates by it
+(`workspace_sizes`), and the server's memory plan (paging/plan.py, `--dry-run`) adds it to the
+weights and state, so the plan and the start-up refusal agree. Pure arithmetic: no device.
+"""
+from __future__ import annotations
+
+import math
+
+from ..tensors import is_int_tensor, tensor_shapes
+from . import ops as K
+from .device_state import LANE_FIELDS, DeviceState, max_pages_per_slot
+from .device_weights import is_vector
+
+
+def _blocks(n: int, per: int) -> int:
+    return max(1, -(-int(n) // per))
+
+
+def max_keys(cfg, context: int) -> int:
+    """The most keys one lane's attention can read in any layer at this context: the raw
+    window plus the visible compressed rows (at most the top-k for ratio 4)."""
+    context = min(context, cfg.context_length)
+    most = cfg.sliding_window
+    for r in cfg.compress_ratios:
+        if r == 4:
+            most = max(most, cfg.sliding_window + min(cfg.indexer_top_k, context // 4))
+        elif r:
+            most = max(most, cfg.sliding_window + context // r + 1)
+    return most
+
+
+def score_capacity(cfg, maxp: int, page_tokens: int) -> int:
+    """Indexer scores a lane can have: a slot's ratio-4 rows."""
+    return maxp * (page_tokens // 4) if 4 in cfg.compress_ratios else 1
+
+
+def attention_slices(cfg, maxp: int, page_tokens: int) -> int:
+    return _blocks(max_keys(cfg, maxp * page_tokens), K.AT3_SPLIT)
+
+
+def matrix_shapes(cfg) -> list[tuple[int, int]]:
+    """(rows, cols) of every weight a matvec reads: what DeviceWeights holds as matrices."""
+    return [(math.prod(shape[:-1]), shape[-1]) for name, shape in tensor_shapes(cfg).items()
+            if not (is_int_tensor(name) or is_vector(name, shape))]
+
+
+def q8_width(cfg, quantised_products: bool) -> int:
+    """Elements per lane of the widest input a quantised product takes (the routed experts' down
+    input is a lane's kk rows); 0 without quantised products (plain numerics)."""
+    if not quantised_products:
+        return 0
+    c = cfg
+    return max(c.n_embd, c.q_lora_rank, c.n_head * c.head_dim, c.o_groups * c.o_lora_rank,
+               c.expert_ff * max(c.n_expert_shared, 1), c.n_expert_used * c.expert_ff)
+
+
+def workspace_sizes(cfg, max_rows: int, maxp: int, page_tokens: int,
+                    quantised_products: bool = False) -> dict[str, int]:
+    """int32/float32 elements per lane of every workspace buffer of a max_rows-lane pass at this
+    page geometry (every bucket's program uses the first lanes of these buffers)."""
+    c, L = cfg, max_rows
+    D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
+    wmax = max(D, Di)
+    cmax = max([8] + [r for r in c.compress_ratios if r])
+    ffs = c.expert_ff * max(c.n_expert_shared, 1)
+    kk = c.n_expert_used
+    ncap4, at_nz = score_capacity(c, maxp, page_tokens), attention_slices(c, maxp, page_tokens)
+    f32 = {
+        "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
+        "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
+        "kv_raw": D, "kv": D, "kv8": D,
+        "ckv": 2 * D, "csc": 2 * D, "ikv": 2 * Di, "isc": 2 * Di,
+        "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
+        "crow3": wmax, "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
+        "qi": c.indexer_heads * Di, "qi_h": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
+        "wraw": c.indexer_heads, "scores": ncap4,
+        "o": c.n_head * D, "z": c.o_groups * c.o_lora_rank, "y": d,
+        "xn": d, "rlog": c.n_expert, "rw": kk, "eg": kk * c.expert_ff, "eu": kk * c.expert_ff,
+        "eh": kk * c.expert_ff, "ed": kk * d, "sg": ffs, "su": ffs, "sh": ffs, "sd": d, "ym": d,
+        "hmix": hc, "hx": d, "hn": d, "logits": c.vocab_size,
+    }
+    f32["hs"] = hc * d  # the emitting rows' streams, gathered for the head
+    i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
+           "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L)}
+    # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
+    ksf = max([K.ksplit_floats(rows, cols, L) for rows, cols in matrix_shapes(c)] + [1])
+    f32["ksplit"] = -(-ksf // L)
+    f32["at_m"] = f32["at_den"] = c.n_head * at_nz
+    f32["at_acc"] = c.n_head * at_nz * D
+    # quantised activations (ops.Q8Rows): int8 codes, f32 block scales, int16 half sums
+    q8 = -(-q8_width(c, quantised_products) // 32) * 32
+    f32.update(q8_codes=max(q8 // 4, 1), q8_scales=max(q8 // 32, 1), q8_sums=max(q8 // 32, 1))
+    return {**f32, **i32}
+
+
+def rope_positions(cfg, n_pages: int, page_tokens: int) -> int:
+    """Rows of the RoPE tables: every position the pages can hold."""
+    return min(cfg.context_length, n_pages * page_tokens)
+
+
+def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_rows: int, compact: bool,
+                 quantised_products: bool = False) -> dict[str, int]:
+    """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
+    compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
+    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_rows-lane pass)."""
+    maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+    ratios = {r for r in cfg.compress_ratios if r}
+    return {
+        "state": DeviceState.bytes_needed(cfg, n_slots, n_pages, page_tokens, compact),
+        "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_rows,
+        "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
+        "workspace": 4 * max_rows * sum(workspace_sizes(cfg, max_rows, maxp, page_tokens,
+                                                        quantised_products).values()),
+    }
