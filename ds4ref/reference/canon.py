@@ -599,7 +599,8 @@ def _q_partials(ct, mt, nt, s1t, s2t, xq, dx, xs, a, n_in, p, acc):
                     u2, u3 = np.int32(xq[a + e, i + 2]), np.int32(xq[a + e, i + 3])
                     se = acc[e, h]
                     for o in range(bw):
-                        se[o] += (np.int32(w0[o]) * u0 + np.int32(w1[o]) * u1) + (np.int32(w2[o]) * u2 + np.int32(w3[o]) * u3)
+                        se[o] += ((np.int32(w0[o]) * u0 + np.int32(w1[o]) * u1)
+                                  + (np.int32(w2[o]) * u2 + np.int32(w3[o]) * u3))
         m0, m1, n0, n1 = mt[2 * b], mt[2 * b + 1], nt[2 * b], nt[2 * b + 1]
         sc1, sc2 = s1t[b], s2t[b]
         for e in range(n_in):
