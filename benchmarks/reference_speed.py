@@ -201,7 +201,7 @@ def flash_layer_step(steps: int) -> dict:
         return ffn_block(lw, cfg, il, s, rows.tokens)
 
     for il in (2, 3):  # a ratio-4 layer (compressors + indexer) and a ratio-128 layer
-        lw = LayerWeights(model.weights, il)
+        lw = LayerWeights(model.weights, il, model.numerics)
         times = []
         for pos in range(steps):
             streams = np.random.default_rng(pos).standard_normal((1, cfg.hc_mult, cfg.n_embd), dtype=np.float32)

@@ -27,6 +27,7 @@ from gguf import GGUFValueType as VType
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import is_int_tensor, tensor_shapes
+from .reference.canon import QUANT_TYPES
 from .weights import Weights, WeightsError, check_tensor_shapes
 
 
@@ -445,6 +446,10 @@ class GGUFWeights(Weights):
     @property
     def where(self) -> str:
         return self.file.path
+
+    def _stored_blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        t = self.file.tensor(name)
+        return (t.qtype.name, t.data) if t.qtype.name in QUANT_TYPES else None
 
     def qtype(self, name: str) -> QType:
         return self.file.tensor(name).qtype

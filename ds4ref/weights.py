@@ -4,7 +4,9 @@ The math asks for tensors by their GGUF name and gets NumPy arrays in the
 shapes of ds4ref.tensors, already dequantised to one float dtype. Routed
 expert tensors are large (25.8 GB per Flash layer in f32), so they are also
 reachable one expert at a time; an implementation backed by a quantised file
-dequantises only that expert's slice.
+dequantises only that expert's slice. A tensor stored in a GGUF block type
+(canon.QUANT_TYPES) is also reachable as its integer codes (canon.QuantCodes),
+which official float32 products take instead of the floats (docs/exactness.md).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from .config import DS4Config
+from .reference.canon import QuantCodes, quant_codes
 from .tensors import is_int_tensor, tensor_shapes
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -83,8 +86,9 @@ class Weights(ABC):
         self.dtype = check_float_dtype(dtype)
         self._shapes = tensor_shapes(config)
         self._cache: dict[str, np.ndarray] = {}
-        # LRU, because all 256 experts of 43 Flash layers would not fit in memory.
-        self._experts: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._codes: dict[str, QuantCodes | None] = {}
+        # LRU (expert floats and codes), because all 256 experts of 43 Flash layers would not fit in memory.
+        self._experts: OrderedDict[tuple, np.ndarray | QuantCodes] = OrderedDict()
         self.max_cached_experts = max_cached_experts
 
     # ---- what subclasses provide ----------------------------------------
@@ -99,6 +103,11 @@ class Weights(ABC):
     def where(self) -> str:
         """What an error names as the weights' source."""
         return type(self).__name__
+
+    def _stored_blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(GGML type name, block bytes (*shape[:-1], bytes per row)) of a tensor stored in one
+        of canon.QUANT_TYPES; None for any other storage (floats in memory have no blocks)."""
+        return None
 
     def names(self) -> list[str]:
         """Names of every tensor the model needs (all are present once constructed)."""
@@ -128,22 +137,50 @@ class Weights(ABC):
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e's (out, in) matrix of a 3-D `*_exps.weight` tensor."""
+        shape = self._expert_shape(name, e)
+        if name in self._cache:  # the whole tensor is already resident: a view costs nothing
+            return self._cache[name][e]
+        return self._expert_cached((name, int(e)), lambda: self._finish(name, self._load_expert(name, e), shape[1:]))
+
+    def codes(self, name: str) -> QuantCodes | None:
+        """A 2-D tensor's QuantCodes when it is stored block-quantised (canon.QUANT_TYPES), else None."""
+        if name not in self._codes:
+            shape = self.shape(name)
+            stored = self._stored_blocks(name) if len(shape) == 2 else None
+            self._codes[name] = None if stored is None else self._checked_codes(name, *stored, shape)
+        return self._codes[name]
+
+    def expert_codes(self, name: str, e: int) -> QuantCodes | None:
+        """Expert e's QuantCodes of a 3-D `*_exps.weight` tensor stored block-quantised, else None."""
+        shape = self._expert_shape(name, e)
+        stored = self._stored_blocks(name)
+        if stored is None:
+            return None
+        return self._expert_cached((name, int(e), "codes"),
+                                   lambda: self._checked_codes(name, stored[0], stored[1][e], shape[1:]))
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._codes.clear()
+        self._experts.clear()
+
+    # ---- helpers -----------------------------------------------------------
+    def _expert_shape(self, name: str, e: int) -> tuple[int, ...]:
         shape = self.shape(name)
         if len(shape) != 3:
             raise WeightsError(f"{name!r} is not a per-expert tensor (shape {shape})")
         if not 0 <= e < shape[0]:
             raise WeightsError(f"expert index {e} out of range 0..{shape[0] - 1} for {name!r}")
-        if name in self._cache:  # the whole tensor is already resident: a view costs nothing
-            return self._cache[name][e]
-        key = (name, int(e))
-        arr = self._experts.get(key)
-        if arr is None:
-            arr = self._finish(name, self._load_expert(name, e), shape[1:])
-            self._experts[key] = arr
+        return shape
+
+    def _expert_cached(self, key: tuple, make):
+        value = self._experts.get(key)
+        if value is None:
+            value = self._experts[key] = make()
             self._evict()
         else:
             self._experts.move_to_end(key)
-        return arr
+        return value
 
     def check_hash_routes(self) -> None:
         """Read and check every hash-routing table (check_hash_routes): what the load calls,
@@ -152,11 +189,14 @@ class Weights(ABC):
             if is_int_tensor(name):
                 self.get(name)
 
-    def clear_cache(self) -> None:
-        self._cache.clear()
-        self._experts.clear()
+    @staticmethod
+    def _checked_codes(name: str, qtype_name: str, raw: np.ndarray, shape: tuple[int, ...]) -> QuantCodes:
+        qc = quant_codes(qtype_name, raw)
+        if qc.shape != tuple(shape):
+            raise WeightsError(f"tensor {name!r}: {qtype_name} blocks decode to shape {qc.shape}, "
+                               f"expected {tuple(shape)}")
+        return qc
 
-    # ---- helpers -----------------------------------------------------------
     def _evict(self) -> None:
         if self.max_cached_experts is None:
             return

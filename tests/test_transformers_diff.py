@@ -155,7 +155,7 @@ def _diagnose(pair, err: np.ndarray) -> str:
     lines = [f"first position over {REL_TOL}: {bad} (rel {err[bad]:.2e})"]
     # hidden_states[i] is layer i's input streams (i < n_layer); the last entry is the head's normed input.
     for il in range(1, cfg.n_layer):
-        lw = LayerWeights(w, il - 1)
+        lw = LayerWeights(w, il - 1, "plain")
         streams = prefill.attention_block(lw, cfg, tables, "plain", il - 1, streams)
         streams = prefill.ffn_block(lw, cfg, il - 1, streams, ids)
         e = rel_err(streams[bad].ravel(), hs[il][0, bad].numpy().ravel())

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from numba.extending import intrinsic
 
 F32 = np.float32
 LANES = 32            # a warp
@@ -336,6 +338,343 @@ def weight_blocks(w: np.ndarray) -> np.ndarray:
     return wb
 
 
+# ---------------------------------------------------------------------------
+# Products with block-quantised weights (official numerics): exact integer block dots
+# ---------------------------------------------------------------------------
+# The activation row is quantised to int8 per 32 columns; each 16-column half's dot with
+# the weight's integer codes is an exact int32 sum, so its order cannot matter (dp4a, int8
+# tensor cores and these loops give the same integers). Only the combination of the block
+# results is float, in the fixed order of qlinear (docs/exactness.md, "quantised linear").
+
+QBLOCK, QHALF = 32, 16
+_Q8_MAX = F32(127.0)
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """a * b + c with one rounding (LLVM's llvm.fma.f32, correctly rounded: in hardware on
+    x86-64 with FMA, else libm's fmaf). The only fused operation of the canonical arithmetic."""
+    if not all(t == numba.types.float32 for t in (a, b, c)):
+        return None
+    sig = numba.types.float32(numba.types.float32, numba.types.float32, numba.types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+    return sig, codegen
+
+
+@numba.njit(cache=True)
+def _fma_scalar(a, b, c):
+    return fma_f32(a, b, c)
+
+
+def fma(a, b, c) -> np.float32:
+    """fma_f32 on float32 scalars, from Python (tests and oracles)."""
+    return _fma_scalar(F32(a), F32(b), F32(c))
+
+
+@numba.njit(cache=True)
+def _quantize_q8_rows(x, xq, dx, xs):
+    """quantize_q8 of every row of x into xq, dx, and the int32 sums of each 16-column half of
+    xq into xs (qlinear's mn term needs them, once per input row)."""
+    n, k = x.shape
+    for r in range(n):
+        for b in range(k // QBLOCK):
+            c0 = b * QBLOCK
+            amax = _ZERO
+            finite = True
+            for i in range(QBLOCK):
+                a = abs(x[r, c0 + i])
+                if not a < _INF:  # inf or NaN
+                    finite = False
+                elif a > amax:
+                    amax = a
+            if not finite:
+                d = _NAN
+            else:
+                d = amax / _Q8_MAX
+            dx[r, b] = d
+            for h in range(2):
+                s = 0
+                for i in range(h * QHALF, (h + 1) * QHALF):
+                    q = 0
+                    if d > _ZERO:  # amax == 0 (d = 0), an underflowed d = 0 and NaN all give q = 0
+                        v = x[r, c0 + i] / d
+                        v = min(max(v, -_Q8_MAX), _Q8_MAX)
+                        q = int((v + _ROUND) - _ROUND)  # round half to even (|v| <= 127)
+                    xq[r, c0 + i] = q
+                    s += q
+                xs[r, 2 * b + h] = s
+
+
+def _quantize_q8(x: np.ndarray):
+    x = np.ascontiguousarray(x, F32)
+    n, k = x.shape
+    if k % QBLOCK:
+        raise ValueError(f"quantize_q8: {k} columns are not a multiple of {QBLOCK}")
+    xq, dx = np.empty((n, k), np.int8), np.empty((n, k // QBLOCK), F32)
+    xs = np.empty((n, k // QHALF), np.int32)
+    _quantize_q8_rows(x, xq, dx, xs)
+    return xq, dx, xs
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 (n, K), K % 32 == 0 -> (xq int8 (n, K), dx float32 (n, K // 32)): per row and
+    32-column block, dx = amax / 127 and xq = rint(x / dx) clamped to +-127 (docs/exactness.md).
+    A block holding inf or NaN gets dx = NaN (so the NaN reaches the output), q = 0."""
+    xq, dx, _ = _quantize_q8(x)
+    return xq, dx
+
+
+@dataclass(frozen=True, eq=False)
+class QuantCodes:
+    """A block-quantised weight (N, K) in the one form every GGUF block type takes: weight
+    [o, i] is s1[o, b] * mul[o, h] * codes[o, i] - s2[o, b] * mn[o, h], with b = i // 32 its
+    block and h = i // 16 its 16-column half. Built by `quant_codes`."""
+    codes: np.ndarray  # int8 (N, K)
+    mul: np.ndarray    # int8 (N, K // 16)
+    mn: np.ndarray     # int8 (N, K // 16)
+    s1: np.ndarray     # float32 (N, K // 32)
+    s2: np.ndarray     # float32 (N, K // 32)
+    _views: dict = field(default_factory=dict, repr=False)  # rows(a, b) and the blocked layout, made once
+
+    def __post_init__(self):
+        n, k = self.codes.shape
+        want = {"codes": (np.int8, (n, k)), "mul": (np.int8, (n, k // QHALF)), "mn": (np.int8, (n, k // QHALF)),
+                "s1": (np.float32, (n, k // QBLOCK)), "s2": (np.float32, (n, k // QBLOCK))}
+        for name, (dtype, shape) in want.items():
+            a = getattr(self, name)
+            if a.dtype != dtype or a.shape != shape or k % QBLOCK:
+                raise ValueError(f"QuantCodes.{name} must be {np.dtype(dtype).name} {shape} "
+                                 f"(K a multiple of {QBLOCK}), got {a.dtype} {a.shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def rows(self, start: int, stop: int) -> "QuantCodes":
+        """Weight rows start .. stop - 1 (the output projection's groups), kept with its layout."""
+        key = (start, stop)
+        if key not in self._views:
+            self._views[key] = QuantCodes(*(a[start:stop] for a in (self.codes, self.mul, self.mn, self.s1, self.s2)))
+        return self._views[key]
+
+    def blocks(self):
+        """The layout _qmatmul reads: blocks of bw = min(N, MM_ROWS) weight rows, each array
+        transposed to (columns or halves or blocks, bw), the last block padded with zero rows."""
+        if "blocks" not in self._views:
+            self._views["blocks"] = tuple(_blocks_t(a) for a in (self.codes, self.mul, self.mn, self.s1, self.s2))
+        return self._views["blocks"]
+
+
+def _blocks_t(a: np.ndarray) -> np.ndarray:
+    rows, k = a.shape
+    bw = max(1, min(rows, MM_ROWS))
+    nb = -(-rows // bw)
+    padded = np.zeros((nb * bw, k), a.dtype)
+    padded[:rows] = a
+    return np.ascontiguousarray(padded.reshape(nb, bw, k).transpose(0, 2, 1))
+
+
+# ggml's tables: MXFP4's doubled E2M1 values (code 8 is +0), IQ2_XXS's sign patterns and grid
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _iq2xxs_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(grid int8 (256, 8): magnitudes 8, 25, 43; sign bits uint8 (128, 8): 1 = negative),
+    from gguf-py's copy of ggml's iq2xxs_grid and ksigns_iq2xs."""
+    from gguf.quants import IQ2_XXS
+    IQ2_XXS.init_grid()
+    grid = IQ2_XXS.grid.reshape(256, 8).astype(np.int8)
+    ksigns = np.frombuffer(IQ2_XXS.ksigns, np.uint8)
+    return grid, ((ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(np.uint8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian f16 from its 2 bytes (last axis), widened exactly to float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(F32)
+
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4 for j = 0..7 over the 12 packed bytes (last axis): 6-bit
+    scales and mins."""
+    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _codes_q8_0(blk):
+    return blk[..., 2:].view(np.int8), None, None, _f16(blk[..., 0:2]), None
+
+
+def _codes_mxfp4(blk):
+    e = blk[..., 0].astype(np.uint32)
+    s1 = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(F32)
+    qs = blk[..., 1:]
+    return _MXFP4_VALUES[np.concatenate([qs & 15, qs >> 4], axis=-1)], None, None, s1, None
+
+
+def _codes_iq2_xxs(blk):
+    grid, sign_bits = _iq2xxs_tables()
+    n, nsb = blk.shape[:2]
+    aux = np.ascontiguousarray(blk[..., 2:]).view(np.uint32).reshape(n, nsb, 8, 2)
+    idx = np.ascontiguousarray(aux[..., 0]).view(np.uint8).reshape(n, nsb, 8, 4)
+    sidx = (aux[..., 1, None] >> np.array([0, 7, 14, 21], np.uint32)) & 127
+    neg = sign_bits[sidx]                                      # (n, nsb, 8, 4, 8)
+    codes = np.where(neg == 1, -grid[idx], grid[idx])           # (n, nsb, 8 sub-blocks, 4 groups, 8)
+    ls = (aux[..., 1] >> 28).astype(F32)
+    s1 = (_f16(blk[..., 0:2])[..., None] * (F32(0.5) + ls)) * F32(0.25)  # gguf-py's db, same operations
+    return codes.reshape(n, -1), None, None, s1.reshape(n, -1), None
+
+
+def _codes_q2_k(blk):
+    n, nsb = blk.shape[:2]
+    scales, qs = blk[..., 0:16], blk[..., 16:80]
+    q = (qs.reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    per_block = np.ones((1, 1, 8), F32)
+    return (q.reshape(n, -1).astype(np.int8), scales & 15, scales >> 4,
+            _f16(blk[..., 80:82])[..., None] * per_block, _f16(blk[..., 82:84])[..., None] * per_block)
+
+
+def _codes_q4_k(blk):
+    n, nsb = blk.shape[:2]
+    sc, m = _scale_min_k4(blk[..., 4:16])
+    qs = blk[..., 16:144]
+    q = (qs.reshape(n, nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15
+    per_block = np.ones((1, 1, 8), F32)
+    return (q.reshape(n, -1).astype(np.int8), np.repeat(sc, 2, axis=-1), np.repeat(m, 2, axis=-1),
+            _f16(blk[..., 0:2])[..., None] * per_block, _f16(blk[..., 2:4])[..., None] * per_block)
+
+
+# type -> (weights per block, bytes per block, decoder of (N, blocks, bytes) -> codes, mul, mn,
+# s1, s2 per block (None: mul = 1, mn = 0, s2 = 0))
+QUANT_TYPES = {"Q8_0": (32, 34, _codes_q8_0), "MXFP4": (32, 17, _codes_mxfp4),
+               "IQ2_XXS": (256, 66, _codes_iq2_xxs), "Q2_K": (256, 84, _codes_q2_k),
+               "Q4_K": (256, 144, _codes_q4_k)}
+
+
+def quant_codes(qtype_name: str, raw: np.ndarray) -> QuantCodes:
+    """The QuantCodes of a weight stored as GGUF blocks of `qtype_name` (one of QUANT_TYPES):
+    raw uint8 (N, bytes per row), gguf-py's block layouts (docs/exactness.md)."""
+    if qtype_name not in QUANT_TYPES:
+        raise ValueError(f"quant_codes: {qtype_name} is not one of {sorted(QUANT_TYPES)}")
+    per, size, decode = QUANT_TYPES[qtype_name]
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % size:
+        raise ValueError(f"quant_codes: {qtype_name} rows must be uint8 (N, a multiple of {size} bytes), "
+                         f"got {raw.dtype} {raw.shape}")
+    n, k = raw.shape[0], raw.shape[1] // size * per
+    codes, mul, mn, s1, s2 = decode(raw.reshape(n, -1, size))
+    ones, zeros = np.ones((n, k // QHALF), np.int8), np.zeros((n, k // QHALF), np.int8)
+
+    def arr(a, default, dtype, cols):
+        a = default if a is None else a
+        return np.ascontiguousarray(np.asarray(a).reshape(n, cols), dtype)
+    return QuantCodes(arr(codes, None, np.int8, k), arr(mul, ones, np.int8, k // QHALF),
+                      arr(mn, zeros, np.int8, k // QHALF), arr(s1, None, F32, k // QBLOCK),
+                      arr(s2, np.zeros((n, k // QBLOCK), F32), F32, k // QBLOCK))
+
+
+@numba.njit(cache=True)
+def _q_partials(ct, mt, nt, s1t, s2t, xq, dx, xs, a, n_in, p, acc):
+    """The 32 fma partials of every weight row of one block (ct (K, bw) ...) against the n_in
+    (1 or 2) input rows a, a + 1: partial t takes blocks t, t + 32, ... in order. The integer
+    sums of a block run over its 16 + 16 columns with the weight rows innermost (exact, so
+    any order; this one vectorises). Returns the partials that got a block."""
+    k, bw = ct.shape
+    nb = k // QBLOCK
+    live = min(LANES, nb)
+    p[:n_in, :live, :] = _ZERO
+    for b in range(nb):
+        t = b % LANES
+        for e in range(n_in):
+            acc[e, :, :] = 0
+        for h in range(2):
+            for i in range(b * QBLOCK + h * QHALF, b * QBLOCK + (h + 1) * QHALF, 4):
+                # four columns per pass over the accumulators: a quarter of their loads and stores
+                w0, w1, w2, w3 = ct[i], ct[i + 1], ct[i + 2], ct[i + 3]
+                for e in range(n_in):
+                    u0, u1 = np.int32(xq[a + e, i]), np.int32(xq[a + e, i + 1])
+                    u2, u3 = np.int32(xq[a + e, i + 2]), np.int32(xq[a + e, i + 3])
+                    se = acc[e, h]
+                    for o in range(bw):
+                        se[o] += ((np.int32(w0[o]) * u0 + np.int32(w1[o]) * u1)
+                                  + (np.int32(w2[o]) * u2 + np.int32(w3[o]) * u3))
+        m0, m1, n0, n1 = mt[2 * b], mt[2 * b + 1], nt[2 * b], nt[2 * b + 1]
+        sc1, sc2 = s1t[b], s2t[b]
+        for e in range(n_in):
+            d = dx[a + e, b]
+            x0, x1 = np.int32(xs[a + e, 2 * b]), np.int32(xs[a + e, 2 * b + 1])
+            pe, g0, g1 = p[e, t], acc[e, 0], acc[e, 1]
+            for o in range(bw):
+                big_a = np.int32(m0[o]) * g0[o] + np.int32(m1[o]) * g1[o]
+                big_b = np.int32(n0[o]) * x0 + np.int32(n1[o]) * x1
+                tb = sc1[o] * np.float32(big_a) - sc2[o] * np.float32(big_b)
+                pe[o] = fma_f32(d, tb, pe[o])
+    return live
+
+
+@numba.njit(cache=True)
+def _qmatmul_item(xq, dx, xs, cb, mb, nbk, s1b, s2b, rows, y, blk, a, p, acc):
+    """Outputs y[a:a+2, block blk's rows] (see _qmatmul)."""
+    n = xq.shape[0]
+    bw = cb.shape[2]
+    r0, rb = blk * bw, min(bw, rows - blk * bw)
+    n_in = min(2, n - a)
+    live = _q_partials(cb[blk], mb[blk], nbk[blk], s1b[blk], s2b[blk], xq, dx, xs, a, n_in, p, acc)
+    for e in range(n_in):
+        _butterfly_cols(p[e], live, rb)
+        for i in range(rb):
+            y[a + e, r0 + i] = p[e, 0, i]
+
+
+@numba.njit(cache=True)
+def _qmatmul(xq, dx, xs, cb, mb, nbk, s1b, s2b, rows):
+    """qlinear's outputs for every input row, two input rows at a time per weight block (the
+    weight codes read once for both); each output is exactly its own 32 partials' butterfly."""
+    n = xq.shape[0]
+    y = np.zeros((n, rows), np.float32)
+    p = np.empty((2, LANES, cb.shape[2]), np.float32)
+    acc = np.empty((2, 2, cb.shape[2]), np.int32)
+    for blk in range(cb.shape[0]):
+        for a in range(0, n, 2):
+            _qmatmul_item(xq, dx, xs, cb, mb, nbk, s1b, s2b, rows, y, blk, a, p, acc)
+    return y
+
+
+@numba.njit(cache=True, parallel=True)
+def _qmatmul_par(xq, dx, xs, cb, mb, nbk, s1b, s2b, rows):
+    """_qmatmul on all of Numba's threads: the items (weight block, input pair) write disjoint
+    outputs, so no sum depends on the thread or the order."""
+    n = xq.shape[0]
+    y = np.zeros((n, rows), np.float32)
+    pairs = (n + 1) // 2
+    for item in numba.prange(cb.shape[0] * pairs):
+        p = np.empty((2, LANES, cb.shape[2]), np.float32)
+        acc = np.empty((2, 2, cb.shape[2]), np.int32)
+        _qmatmul_item(xq, dx, xs, cb, mb, nbk, s1b, s2b, rows, y, item // pairs, (item % pairs) * 2, p, acc)
+    return y
+
+
+def _qlinear2(x2: np.ndarray, qc: QuantCodes) -> np.ndarray:
+    rows, k = qc.shape
+    if x2.shape[1] != k:
+        raise ValueError(f"qlinear: input has {x2.shape[1]} columns, the weight {k}")
+    xq, dx, xs = _quantize_q8(x2)
+    run = _qmatmul_par if x2.shape[0] >= PARALLEL_ROWS else _qmatmul
+    return run(xq, dx, xs, *qc.blocks(), rows)
+
+
+def qlinear(x: np.ndarray, qc: QuantCodes) -> np.ndarray:
+    """x @ w.T for a block-quantised w (n, N) float32: x quantised by quantize_q8, each block's
+    dot an exact integer sum, the blocks combined by fma into 32 partials and the butterfly
+    (docs/exactness.md). Never split; every output depends on its own input row only."""
+    x = np.ascontiguousarray(x, F32)
+    k = x.shape[-1]
+    return _qlinear2(x.reshape(-1, k), qc).reshape(x.shape[:-1] + (qc.shape[0],))
+
+
 def ksplit(rows: int, cols: int) -> int:
     """Columns per slice of a split dense dot product (0: not split). A property of the
     matrix's shape: few long rows (hc mixes, router, indexer weights) are cut into slices
@@ -343,17 +682,26 @@ def ksplit(rows: int, cols: int) -> int:
     return KSPLIT_COLS if rows <= KSPLIT_MAX_ROWS and cols >= KSPLIT_MIN_COLS else 0
 
 
-def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
-    """x @ w.T, each output one warp dot (sliced by `ksplit` for dense weights; routed
-    experts pass split=False, their kernel never slices). All rows of x in one pass over
-    the weights; every row's result is bitwise that of the row alone."""
+def _product(x2: np.ndarray, w, split: bool) -> np.ndarray:
+    """x2 (n, K) @ w.T: the int path for a QuantCodes w (never split), else the warp dots."""
+    if isinstance(w, QuantCodes):
+        return _qlinear2(x2, w)
+    ks = (ksplit(*w.shape) if split else 0) or max(w.shape[1], 1)
+    return _matmul_for(x2.shape[0])(x2, weight_blocks(w), w.shape[0], ks)
+
+
+def _operand(w):
+    return w if isinstance(w, QuantCodes) else np.asarray(w, F32)
+
+
+def linear(x: np.ndarray, w, split: bool = True) -> np.ndarray:
+    """x @ w.T. Float w: each output one warp dot (sliced by `ksplit` for dense weights; routed
+    experts pass split=False, their kernel never slices). A QuantCodes w: qlinear. All rows of
+    x in one pass over the weights; every row's result is bitwise that of the row alone."""
     x = np.ascontiguousarray(x, F32)
-    w = np.asarray(w, F32)
+    w = _operand(w)
     k = x.shape[-1]
-    ks = (ksplit(w.shape[0], k) if split else 0) or max(k, 1)
-    x2 = x.reshape(-1, k)
-    y = _matmul_for(x2.shape[0])(x2, weight_blocks(w), w.shape[0], ks)
-    return y.reshape(x.shape[:-1] + (w.shape[0],))
+    return _product(x.reshape(-1, k), w, split).reshape(x.shape[:-1] + (w.shape[0],))
 
 
 @numba.njit(cache=True)
@@ -371,21 +719,16 @@ def _swiglu_act(g, u, clamp):
             g[r, i] = silu_f32(gi) * ui
 
 
-def swiglu(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, clamp: float,
-           split: bool = True) -> np.ndarray:
+def swiglu(x: np.ndarray, w1, w3, w2, clamp: float, split: bool = True) -> np.ndarray:
     """Clamped SwiGLU expert: linear(silu(min(x W1, clamp)) * clip(x W3, +-clamp), W2), the
-    products as `linear` computes them, in one call."""
+    products as `linear` computes them (a QuantCodes weight by qlinear, its input row quantised
+    afresh), in one call."""
     x = np.ascontiguousarray(x, F32)
-    w1, w3, w2 = (np.asarray(w, F32) for w in (w1, w3, w2))
-    k, (ff, d) = x.shape[-1], (w1.shape[0], w2.shape[0])
-
-    def ks(w):
-        return (ksplit(*w.shape) if split else 0) or max(w.shape[1], 1)
-    x2 = x.reshape(-1, k)
-    mm = _matmul_for(x2.shape[0])
-    g = mm(x2, weight_blocks(w1), ff, ks(w1))
-    _swiglu_act(g, mm(x2, weight_blocks(w3), ff, ks(w1)), F32(clamp))
-    return mm(g, weight_blocks(w2), d, ks(w2)).reshape(x.shape[:-1] + (d,))
+    w1, w3, w2 = (_operand(w) for w in (w1, w3, w2))
+    x2 = x.reshape(-1, x.shape[-1])
+    g = _product(x2, w1, split)
+    _swiglu_act(g, _product(x2, w3, split), F32(clamp))
+    return _product(g, w2, split).reshape(x.shape[:-1] + (w2.shape[0],))
 
 
 @numba.njit(cache=True)

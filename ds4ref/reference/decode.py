@@ -81,8 +81,8 @@ def compress(lw: LayerWeights, kind: str, rows: Rows, il: int, a: np.ndarray, ta
     compressed rows of windows that end at or before it, so all of them can be stored first."""
     prefix = "attn_compressor" if kind == ATTN else "indexer_compressor"
     ratio = cfg.ratio(il)
-    kv = ops.linear(a, lw[f"{prefix}_kv.weight"])
-    score = ops.linear(a, lw[f"{prefix}_gate.weight"]) + lw[f"{prefix}_ape.weight"][rows.positions % ratio]
+    kv = ops.linear(a, lw.matrix(f"{prefix}_kv.weight"))
+    score = ops.linear(a, lw.matrix(f"{prefix}_gate.weight")) + lw[f"{prefix}_ape.weight"][rows.positions % ratio]
     done = []
     for i, (st, pos) in enumerate(zip(rows.states, rows.positions)):
         window = compressor_feed(st.compressor(il, kind), int(pos), kv[i], score[i])
@@ -162,12 +162,12 @@ def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.nda
                                for i in range(len(rows))])
     streams = embed(weights, rows.tokens, cfg)
     for il in range(cfg.n_layer):
-        lw = LayerWeights(weights, il)
+        lw = LayerWeights(weights, il, numerics)
         streams = attention_block(lw, cfg, tables, numerics, rows, il, streams)
         streams = ffn_block(lw, cfg, il, streams, rows.tokens)
     if not emit.any():
         return np.zeros((0, cfg.vocab_size), weights.dtype)
-    return head(weights, cfg, streams[emit])
+    return head(weights, cfg, numerics, streams[emit])
 
 
 def decode_step(weights, tables: Tables, numerics: str, state, token: int, pos: int,

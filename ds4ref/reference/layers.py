@@ -33,21 +33,36 @@ class Tables:
         return self.omega_compress if ratio else self.omega_main
 
 
-class LayerWeights:
-    """`blk.{il}.` tensors of one layer, fetched by suffix."""
+def product_weight(weights, name: str, numerics: str, e: int | None = None):
+    """A weight as its products take it (expert e of a 3-D tensor when given): in official
+    float32 numerics a tensor stored block-quantised gives its QuantCodes (the exact integer
+    path, canon.qlinear); everything else, plain numerics and float64 included, its floats."""
+    if numerics == "official" and weights.dtype == np.float32:
+        qc = weights.codes(name) if e is None else weights.expert_codes(name, e)
+        if qc is not None:
+            return qc
+    return weights.get(name) if e is None else weights.expert(name, e)
 
-    def __init__(self, weights, il: int) -> None:
-        self.w, self.prefix = weights, f"blk.{il}."
+
+class LayerWeights:
+    """`blk.{il}.` tensors of one layer, fetched by suffix: lw[suffix] the floats, lw.matrix
+    and lw.expert the operands of products in these numerics (product_weight)."""
+
+    def __init__(self, weights, il: int, numerics: str) -> None:
+        self.w, self.prefix, self.numerics = weights, f"blk.{il}.", numerics
 
     def __getitem__(self, suffix: str) -> np.ndarray:
         return self.w.get(self.prefix + suffix)
 
-    def expert(self, suffix: str, e: int) -> np.ndarray:
-        return self.w.expert(self.prefix + suffix, int(e))
+    def matrix(self, suffix: str):
+        return product_weight(self.w, self.prefix + suffix, self.numerics)
+
+    def expert(self, suffix: str, e: int):
+        return product_weight(self.w, self.prefix + suffix, self.numerics, int(e))
 
 
 def hc(lw: LayerWeights, part: str, cfg: DS4Config, streams: np.ndarray):
-    return ops.hc_pre(streams, lw[f"hc_{part}_fn.weight"], lw[f"hc_{part}_base.weight"],
+    return ops.hc_pre(streams, lw.matrix(f"hc_{part}_fn.weight"), lw[f"hc_{part}_base.weight"],
                       lw[f"hc_{part}_scale.weight"], cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
 
@@ -55,10 +70,10 @@ def project_qkv(lw: LayerWeights, cfg: DS4Config, u: np.ndarray):
     """u (N, d) -> a (normed input), qr (q residual), q (N, H, D) unroped, kv (N, D) unroped."""
     eps = cfg.rms_eps
     a = ops.rmsnorm(u, lw["attn_norm.weight"], eps)
-    qr = ops.rmsnorm(ops.linear(a, lw["attn_q_a.weight"]), lw["attn_q_a_norm.weight"], eps)
-    q = ops.linear(qr, lw["attn_q_b.weight"]).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
+    qr = ops.rmsnorm(ops.linear(a, lw.matrix("attn_q_a.weight")), lw["attn_q_a_norm.weight"], eps)
+    q = ops.linear(qr, lw.matrix("attn_q_b.weight")).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
     q = ops.rms0(q, eps)
-    kv = ops.rmsnorm(ops.linear(a, lw["attn_kv.weight"]), lw["attn_kv_a_norm.weight"], eps)
+    kv = ops.rmsnorm(ops.linear(a, lw.matrix("attn_kv.weight")), lw["attn_kv_a_norm.weight"], eps)
     return a, qr, q, kv
 
 
@@ -67,12 +82,12 @@ def indexer_query(lw: LayerWeights, cfg: DS4Config, tables: Tables, numerics: st
     """Indexer query heads (N, Hi, Di), roped at the query position (then Hadamard + FP4
     in official numerics), and per-head weights (N, Hi) scaled by 1/sqrt(Hi*Di)."""
     n = a.shape[0]
-    qi = ops.linear(qr, lw["indexer.attn_q_b.weight"]).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
+    qi = ops.linear(qr, lw.matrix("indexer.attn_q_b.weight")).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
     qi = ops.rope(qi, cos[:, None, :], sin[:, None, :])
     if numerics == "official":
         qi = ops.qat(qi, tables.hadamard)
     scale = a.dtype.type(1.0 / math.sqrt(cfg.indexer_heads * cfg.indexer_head_dim))
-    wts = ops.linear(a, lw["indexer.proj.weight"]) * scale
+    wts = ops.linear(a, lw.matrix("indexer.proj.weight")) * scale
     return qi, wts
 
 
@@ -91,7 +106,7 @@ def finish_compressed_row(lw: LayerWeights, prefix: str, pooled: np.ndarray, fir
 def attention_output(lw: LayerWeights, cfg: DS4Config, o: np.ndarray, cos, sin) -> np.ndarray:
     """Remove the absolute rotation V's tail carries, then the grouped output projection."""
     o = ops.rope(o, cos[:, None, :], sin[:, None, :], inverse=True)
-    return ops.grouped_output(o, lw["attn_output_a.weight"], lw["attn_output_b.weight"], cfg.o_groups)
+    return ops.grouped_output(o, lw.matrix("attn_output_a.weight"), lw.matrix("attn_output_b.weight"), cfg.o_groups)
 
 
 def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
@@ -108,15 +123,15 @@ def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.
 def _moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
     hash_ids = lw["ffn_gate_tid2eid.weight"][np.asarray(tokens)] if cfg.is_hash_layer(il) else None
     bias = None if hash_ids is not None else lw["exp_probs_b.bias"]
-    ids, w = ops.route_rows(ops.linear(x, lw["ffn_gate_inp.weight"]), cfg.n_expert_used, bias, hash_ids,
+    ids, w = ops.route_rows(ops.linear(x, lw.matrix("ffn_gate_inp.weight")), cfg.n_expert_used, bias, hash_ids,
                             cfg.expert_weights_scale, cfg.expert_weights_norm)
     down = routed_experts(lw, cfg.swiglu_clamp[il], x, ids)
     y = np.zeros_like(x)
     for j in range(ids.shape[1]):
         y = y + w[:, j, None] * down[:, j]
     if cfg.n_expert_shared:
-        y = y + ops.swiglu(x, lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"],
-                           lw["ffn_down_shexp.weight"], cfg.swiglu_clamp[il])
+        y = y + ops.swiglu(x, lw.matrix("ffn_gate_shexp.weight"), lw.matrix("ffn_up_shexp.weight"),
+                           lw.matrix("ffn_down_shexp.weight"), cfg.swiglu_clamp[il])
     return y
 
 
@@ -142,8 +157,9 @@ def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:
     return np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
 
 
-def head(weights, cfg: DS4Config, streams: np.ndarray) -> np.ndarray:
-    x = ops.hc_head(streams, weights.get("output_hc_fn.weight"), weights.get("output_hc_base.weight"),
-                    weights.get("output_hc_scale.weight"), cfg.rms_eps, cfg.hc_eps)
+def head(weights, cfg: DS4Config, numerics: str, streams: np.ndarray) -> np.ndarray:
+    x = ops.hc_head(streams, product_weight(weights, "output_hc_fn.weight", numerics),
+                    weights.get("output_hc_base.weight"), weights.get("output_hc_scale.weight"),
+                    cfg.rms_eps, cfg.hc_eps)
     x = ops.rmsnorm(x, weights.get("output_norm.weight"), cfg.rms_eps)
-    return ops.linear(x, weights.get("output.weight"))
+    return ops.linear(x, product_weight(weights, "output.weight", numerics))

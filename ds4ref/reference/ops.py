@@ -31,8 +31,9 @@ def batch_invariant(x) -> bool:
     return (x.dtype if isinstance(x, np.ndarray) else np.dtype(x)) == np.float32
 
 
-def linear(x: np.ndarray, w: np.ndarray, split: bool = True) -> np.ndarray:
-    """x @ w.T (split=False for routed experts; see canon.linear)."""
+def linear(x: np.ndarray, w, split: bool = True) -> np.ndarray:
+    """x @ w.T (split=False for routed experts; see canon.linear). w is floats, or in the
+    canonical arithmetic a canon.QuantCodes (layers.product_weight), which takes canon.qlinear."""
     if _canonical(x):
         return canon.linear(x, w, split)
     return x @ w.T
@@ -286,14 +287,18 @@ def attention_rows(q: np.ndarray, keys: list, sinks: np.ndarray) -> np.ndarray:
     return np.stack([attention_with_sinks(q[r], np.concatenate(keys[r]), sinks) for r in range(q.shape[0])])
 
 
-def grouped_output(o: np.ndarray, wo_a: np.ndarray, wo_b: np.ndarray, groups: int) -> np.ndarray:
-    """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a."""
+def grouped_output(o: np.ndarray, wo_a, wo_b, groups: int) -> np.ndarray:
+    """o (N, H, D) -> (N, d): group g projects its heads' concatenation with rows g of wo_a
+    (floats, or canon.QuantCodes in the canonical arithmetic)."""
     n = o.shape[0]
     og = o.reshape(n, groups, -1)                      # (N, G, H/G*D)
-    a = wo_a.reshape(groups, -1, og.shape[-1])         # (G, rank, H/G*D)
     if _canonical(o):
-        z = np.concatenate([canon.linear(og[:, g], a[g], split=False) for g in range(groups)], axis=-1)
+        rank = wo_a.shape[0] // groups
+        rows = wo_a.rows if isinstance(wo_a, canon.QuantCodes) else lambda a, b: wo_a[a:b]
+        z = np.concatenate([canon.linear(og[:, g], rows(g * rank, (g + 1) * rank), split=False)
+                            for g in range(groups)], axis=-1)
         return canon.linear(z, wo_b)
+    a = wo_a.reshape(groups, -1, og.shape[-1])         # (G, rank, H/G*D)
     z = np.einsum("gri,ngi->ngr", a, og).reshape(n, -1)
     return z @ wo_b.T
 

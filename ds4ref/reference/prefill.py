@@ -29,8 +29,8 @@ def window_candidates(c: np.ndarray, g: np.ndarray, ratio: int, width: int):
 def compressed_rows(lw, cfg, tables, numerics, a, ratio, prefix, width, hadamard_kind):
     """Every complete window's compressed row (n_windows, width)."""
     t = a.shape[0]
-    c = ops.linear(a, lw[f"{prefix}_kv.weight"])
-    g = ops.linear(a, lw[f"{prefix}_gate.weight"]) + lw[f"{prefix}_ape.weight"][np.arange(t) % ratio]
+    c = ops.linear(a, lw.matrix(f"{prefix}_kv.weight"))
+    g = ops.linear(a, lw.matrix(f"{prefix}_gate.weight")) + lw[f"{prefix}_ape.weight"][np.arange(t) % ratio]
     kv, score = window_candidates(c, g, ratio, width)
     if kv.shape[0] == 0:
         return np.zeros((0, width), a.dtype)
@@ -82,7 +82,7 @@ def prefill_logits(weights, tables: Tables, numerics: str, tokens) -> np.ndarray
     cfg = weights.config
     streams = embed(weights, tokens, cfg)
     for il in range(cfg.n_layer):
-        lw = LayerWeights(weights, il)
+        lw = LayerWeights(weights, il, numerics)
         streams = attention_block(lw, cfg, tables, numerics, il, streams)
         streams = ffn_block(lw, cfg, il, streams, tokens)
-    return head(weights, cfg, streams)
+    return head(weights, cfg, numerics, streams)
