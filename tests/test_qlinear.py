@@ -203,15 +203,21 @@ def test_quant_codes_reproduce_gguf_values(seed, qtype, rows, units, wild):
     assert set(np.unique(qc.codes).tolist()) <= set(ranges[qtype])
     assert qc.codes.shape == (rows, k) and qc.mul.shape == qc.mn.shape == (rows, k // 16)
     assert qc.s1.shape == qc.s2.shape == (rows, k // 32)
+    assert np.array_equal(dequantised(qc).view(np.uint32), ref.view(np.uint32))
+
+
+def dequantised(qc: canon.QuantCodes) -> np.ndarray:
+    """The float32 nearest the exact s1 * mul * code - s2 * mn of every weight."""
+    k = qc.shape[1]
     col16, col32 = np.arange(k) // 16, np.arange(k) // 32
     p1 = qc.s1[:, col32].astype(np.float64) * qc.mul[:, col16] * qc.codes
     p2 = qc.s2[:, col32].astype(np.float64) * qc.mn[:, col16]
     d = p1 - p2
     err = (p1 - (d - (d - p1))) + (-p2 - (d - p1))  # TwoSum: d + err == p1 - p2 exactly
-    want = d.astype(F32)
+    out = d.astype(F32)
     for i in zip(*np.nonzero(err)):
-        want[i] = round_f32(Fraction(float(p1[i])) - Fraction(float(p2[i])))
-    assert np.array_equal(want.view(np.uint32), ref.view(np.uint32))
+        out[i] = round_f32(Fraction(float(p1[i])) - Fraction(float(p2[i])))
+    return out
 
 
 def test_quant_codes_refuse_what_they_cannot_read():
@@ -266,6 +272,26 @@ def test_official_float32_products_take_the_quantised_codes(policy32):
     assert isinstance(lw.matrix("ffn_gate_inp.weight"), np.ndarray)  # F16
     assert isinstance(LayerWeights(w, 0, "plain").expert("ffn_gate_exps.weight", 3), np.ndarray)
     assert isinstance(product_weight(w.with_dtype(np.float64), "output.weight", "official"), np.ndarray)
+
+
+def test_codes_are_the_tensors_they_stand_for(policy32):
+    """Each QuantCodes a product takes decodes to the very floats of its tensor (its expert's
+    slice, its output group's rows): no product reads another tensor's codes."""
+    w, cfg = policy32.weights, policy32.config
+    for il in (0, cfg.n_layer - 1):
+        lw = LayerWeights(w, il, "official")
+        for suffix in ("attn_q_a.weight", "attn_q_b.weight", "attn_kv.weight", "attn_output_b.weight",
+                       "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"):
+            assert np.array_equal(dequantised(lw.matrix(suffix)), lw[suffix]), (il, suffix)
+        for e in (0, 5, cfg.n_expert - 1):
+            for suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+                assert np.array_equal(dequantised(lw.expert(suffix, e)), w.expert(lw.prefix + suffix, e)), (il, e)
+        wo_a = lw.matrix("attn_output_a.weight")
+        rank = wo_a.shape[0] // cfg.o_groups
+        g = cfg.o_groups - 1
+        assert np.array_equal(dequantised(wo_a.rows(g * rank, (g + 1) * rank)),
+                              lw["attn_output_a.weight"][g * rank:(g + 1) * rank])
+    assert np.array_equal(dequantised(product_weight(w, "output.weight", "official")), w.get("output.weight"))
 
 
 @settings(max_examples=2, deadline=None)

@@ -438,6 +438,16 @@ class QuantCodes:
     s2: np.ndarray     # float32 (N, K // 32)
     _views: dict = field(default_factory=dict, repr=False)  # rows(a, b) and the blocked layout, made once
 
+    def __post_init__(self):
+        n, k = self.codes.shape
+        want = {"codes": (np.int8, (n, k)), "mul": (np.int8, (n, k // QHALF)), "mn": (np.int8, (n, k // QHALF)),
+                "s1": (np.float32, (n, k // QBLOCK)), "s2": (np.float32, (n, k // QBLOCK))}
+        for name, (dtype, shape) in want.items():
+            a = getattr(self, name)
+            if a.dtype != dtype or a.shape != shape or k % QBLOCK:
+                raise ValueError(f"QuantCodes.{name} must be {np.dtype(dtype).name} {shape} "
+                                 f"(K a multiple of {QBLOCK}), got {a.dtype} {a.shape}")
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape
@@ -581,20 +591,16 @@ def _q_partials(ct, mt, nt, s1t, s2t, xq, dx, xs, a, n_in, p, acc):
         for e in range(n_in):
             acc[e, :, :] = 0
         for h in range(2):
-            for i in range(b * QBLOCK + h * QHALF, b * QBLOCK + (h + 1) * QHALF):
-                wc = ct[i]
-                if n_in == 1:
-                    u0 = np.int32(xq[a, i])
-                    s0 = acc[0, h]
+            for i in range(b * QBLOCK + h * QHALF, b * QBLOCK + (h + 1) * QHALF, 4):
+                # four columns per pass over the accumulators: a quarter of their loads and stores
+                w0, w1, w2, w3 = ct[i], ct[i + 1], ct[i + 2], ct[i + 3]
+                for e in range(n_in):
+                    u0, u1 = np.int32(xq[a + e, i]), np.int32(xq[a + e, i + 1])
+                    u2, u3 = np.int32(xq[a + e, i + 2]), np.int32(xq[a + e, i + 3])
+                    se = acc[e, h]
                     for o in range(bw):
-                        s0[o] += np.int32(wc[o]) * u0
-                else:
-                    u0, u1 = np.int32(xq[a, i]), np.int32(xq[a + 1, i])
-                    s0, s1 = acc[0, h], acc[1, h]
-                    for o in range(bw):
-                        wo = np.int32(wc[o])
-                        s0[o] += wo * u0
-                        s1[o] += wo * u1
+                        se[o] += ((np.int32(w0[o]) * u0 + np.int32(w1[o]) * u1)
+                                  + (np.int32(w2[o]) * u2 + np.int32(w3[o]) * u3))
         m0, m1, n0, n1 = mt[2 * b], mt[2 * b + 1], nt[2 * b], nt[2 * b + 1]
         sc1, sc2 = s1t[b], s2t[b]
         for e in range(n_in):

@@ -158,7 +158,8 @@ def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:
 
 
 def head(weights, cfg: DS4Config, numerics: str, streams: np.ndarray) -> np.ndarray:
-    x = ops.hc_head(streams, product_weight(weights, "output_hc_fn.weight", numerics), weights.get("output_hc_base.weight"),
-                    weights.get("output_hc_scale.weight"), cfg.rms_eps, cfg.hc_eps)
+    x = ops.hc_head(streams, product_weight(weights, "output_hc_fn.weight", numerics),
+                    weights.get("output_hc_base.weight"), weights.get("output_hc_scale.weight"),
+                    cfg.rms_eps, cfg.hc_eps)
     x = ops.rmsnorm(x, weights.get("output_norm.weight"), cfg.rms_eps)
     return ops.linear(x, product_weight(weights, "output.weight", numerics))
