@@ -196,14 +196,16 @@ def test_quant_codes_reproduce_gguf_values(seed, qtype, rows, units, wild):
     k = units * canon.QUANT_TYPES[qtype][0]
     raw = random_raw(rng, qtype, rows, k, wild)
     qc = canon.quant_codes(qtype, raw)
-    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    with np.errstate(over="ignore"):  # wild MXFP4: 2^127 * 12 is inf on both sides
+        ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+        want = dequantised(qc)
     ranges = {"Q8_0": range(-128, 128), "Q2_K": range(4), "Q4_K": range(16),
               "MXFP4": {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12},
               "IQ2_XXS": {8, 25, 43, -8, -25, -43}}
     assert set(np.unique(qc.codes).tolist()) <= set(ranges[qtype])
     assert qc.codes.shape == (rows, k) and qc.mul.shape == qc.mn.shape == (rows, k // 16)
     assert qc.s1.shape == qc.s2.shape == (rows, k // 32)
-    assert np.array_equal(dequantised(qc).view(np.uint32), ref.view(np.uint32))
+    assert np.array_equal(want.view(np.uint32), ref.view(np.uint32))
 
 
 def dequantised(qc: canon.QuantCodes) -> np.ndarray:
