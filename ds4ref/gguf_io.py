@@ -27,7 +27,7 @@ from gguf import GGUFValueType as VType
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import is_int_tensor, tensor_shapes
-from .reference.canon import QUANT_TYPES
+from .quant_codes import QUANT_TYPES
 from .weights import Weights, WeightsError, check_tensor_shapes
 
 

@@ -5,7 +5,7 @@ shapes of ds4ref.tensors, already dequantised to one float dtype. Routed
 expert tensors are large (25.8 GB per Flash layer in f32), so they are also
 reachable one expert at a time; an implementation backed by a quantised file
 dequantises only that expert's slice. A tensor stored in a GGUF block type
-(canon.QUANT_TYPES) is also reachable as its integer codes (canon.QuantCodes),
+(quant_codes.QUANT_TYPES) is also reachable as its integer codes (quant_codes.QuantCodes),
 which official float32 products take instead of the floats (docs/exactness.md).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from .config import DS4Config
-from .reference.canon import QuantCodes, quant_codes
+from .quant_codes import QuantCodes, quant_codes
 from .tensors import is_int_tensor, tensor_shapes
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -106,7 +106,7 @@ class Weights(ABC):
 
     def _stored_blocks(self, name: str) -> tuple[str, np.ndarray] | None:
         """(GGML type name, block bytes (*shape[:-1], bytes per row)) of a tensor stored in one
-        of canon.QUANT_TYPES; None for any other storage (floats in memory have no blocks)."""
+        of quant_codes.QUANT_TYPES; None for any other storage (floats in memory have no blocks)."""
         return None
 
     def names(self) -> list[str]:
@@ -143,7 +143,7 @@ class Weights(ABC):
         return self._expert_cached((name, int(e)), lambda: self._finish(name, self._load_expert(name, e), shape[1:]))
 
     def codes(self, name: str) -> QuantCodes | None:
-        """A 2-D tensor's QuantCodes when it is stored block-quantised (canon.QUANT_TYPES), else None."""
+        """A 2-D tensor's QuantCodes when it is stored block-quantised (quant_codes.QUANT_TYPES), else None."""
         if name not in self._codes:
             shape = self.shape(name)
             stored = self._stored_blocks(name) if len(shape) == 2 else None

@@ -21,13 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ds4ref
+from ds4ref import quant_codes as qcodes
 from ds4ref.reference import canon
 from ds4ref.reference.layers import LayerWeights, product_weight
 from ds4ref.reference.prefill import prefill_logits
 from tests.golden.make_golden import policy_model
 
 F32 = np.float32
-TYPES = sorted(canon.QUANT_TYPES)
+TYPES = sorted(qcodes.QUANT_TYPES)
 
 
 # ---- the oracle: the spec, written plainly ------------------------------------------------
@@ -76,7 +77,7 @@ def quantize_oracle(x: np.ndarray):
     return xq, dx
 
 
-def qlinear_oracle(x: np.ndarray, qc: canon.QuantCodes) -> np.ndarray:
+def qlinear_oracle(x: np.ndarray, qc: qcodes.QuantCodes) -> np.ndarray:
     xq, dx = quantize_oracle(x)
     codes = qc.codes.astype(np.int64)
     n, (rows, k) = x.shape[0], qc.shape
@@ -134,7 +135,7 @@ def random_raw(rng: np.random.Generator, qtype_name: str, rows: int, k: int, wil
     """Uniformly random block bytes (every code, grid index, sign and sub-scale valid), the f16
     scales random finite f16 of either sign (wild: any exponent; else small) and, for MXFP4,
     the E8M0 byte anything (wild) or near 2^0."""
-    per, size, _ = canon.QUANT_TYPES[qtype_name]
+    per, size, _ = qcodes.QUANT_TYPES[qtype_name]
     raw = rng.integers(0, 256, (rows, k // per, size), dtype=np.uint8)
     f16_at = {"Q8_0": (0,), "IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2), "MXFP4": ()}[qtype_name]
     for at in f16_at:
@@ -167,8 +168,8 @@ def test_quantize_q8_is_the_spec(seed, n, blocks):
 def test_qlinear_is_the_spec(seed, qtype, n, rows, units, wild):
     """K up to 6 super-blocks (48 blocks of 32: the fma partials wrap past 32) or 6 blocks."""
     rng = np.random.default_rng(seed)
-    k = units * canon.QUANT_TYPES[qtype][0]
-    qc = canon.quant_codes(qtype, random_raw(rng, qtype, rows, k, wild))
+    k = units * qcodes.QUANT_TYPES[qtype][0]
+    qc = qcodes.quant_codes(qtype, random_raw(rng, qtype, rows, k, wild))
     x = activation_rows(rng, n, k) if wild else (rng.standard_normal((n, k)) * 3).astype(F32)
     with np.errstate(all="ignore"):
         got, want = canon.qlinear(x, qc), qlinear_oracle(x, qc)
@@ -193,9 +194,9 @@ def test_quant_codes_reproduce_gguf_values(seed, qtype, rows, units, wild):
     rounding, for every type here). The products are exact in float64 (at most 38 bits); the
     difference is exact where its TwoSum error is 0, and settled with Fraction elsewhere."""
     rng = np.random.default_rng(seed)
-    k = units * canon.QUANT_TYPES[qtype][0]
+    k = units * qcodes.QUANT_TYPES[qtype][0]
     raw = random_raw(rng, qtype, rows, k, wild)
-    qc = canon.quant_codes(qtype, raw)
+    qc = qcodes.quant_codes(qtype, raw)
     with np.errstate(over="ignore"):  # wild MXFP4: 2^127 * 12 is inf on both sides
         ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
         want = dequantised(qc)
@@ -208,7 +209,7 @@ def test_quant_codes_reproduce_gguf_values(seed, qtype, rows, units, wild):
     assert np.array_equal(want.view(np.uint32), ref.view(np.uint32))
 
 
-def dequantised(qc: canon.QuantCodes) -> np.ndarray:
+def dequantised(qc: qcodes.QuantCodes) -> np.ndarray:
     """The float32 nearest the exact s1 * mul * code - s2 * mn of every weight."""
     k = qc.shape[1]
     col16, col32 = np.arange(k) // 16, np.arange(k) // 32
@@ -224,9 +225,9 @@ def dequantised(qc: canon.QuantCodes) -> np.ndarray:
 
 def test_quant_codes_refuse_what_they_cannot_read():
     with pytest.raises(ValueError, match="Q6_K is not one of"):
-        canon.quant_codes("Q6_K", np.zeros((1, 210), np.uint8))
+        qcodes.quant_codes("Q6_K", np.zeros((1, 210), np.uint8))
     with pytest.raises(ValueError, match="multiple of 34 bytes"):
-        canon.quant_codes("Q8_0", np.zeros((1, 35), np.uint8))
+        qcodes.quant_codes("Q8_0", np.zeros((1, 35), np.uint8))
 
 
 # ---- batches ------------------------------------------------------------------------------
@@ -240,8 +241,8 @@ def test_rows_are_independent(seed, qtype, n, rows):
     PARALLEL_ROWS on; weight rows past one block of MM_ROWS and a padded last block."""
     import numba
     rng = np.random.default_rng(seed)
-    k = 2 * canon.QUANT_TYPES[qtype][0]
-    qc = canon.quant_codes(qtype, random_raw(rng, qtype, rows, k, wild=False))
+    k = 2 * qcodes.QUANT_TYPES[qtype][0]
+    qc = qcodes.quant_codes(qtype, random_raw(rng, qtype, rows, k, wild=False))
     x = activation_rows(rng, n, k)
     before = numba.get_num_threads()
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
@@ -268,9 +269,9 @@ def test_official_float32_products_take_the_quantised_codes(policy32):
     w = policy32.weights
     lw = LayerWeights(w, 0, "official")
     for suffix in ("attn_q_a.weight", "attn_output_a.weight", "ffn_down_shexp.weight"):
-        assert isinstance(lw.matrix(suffix), canon.QuantCodes), suffix
-    assert isinstance(lw.expert("ffn_gate_exps.weight", 3), canon.QuantCodes)
-    assert isinstance(product_weight(w, "output.weight", "official"), canon.QuantCodes)
+        assert isinstance(lw.matrix(suffix), qcodes.QuantCodes), suffix
+    assert isinstance(lw.expert("ffn_gate_exps.weight", 3), qcodes.QuantCodes)
+    assert isinstance(product_weight(w, "output.weight", "official"), qcodes.QuantCodes)
     assert isinstance(lw.matrix("ffn_gate_inp.weight"), np.ndarray)  # F16
     assert isinstance(LayerWeights(w, 0, "plain").expert("ffn_gate_exps.weight", 3), np.ndarray)
     assert isinstance(product_weight(w.with_dtype(np.float64), "output.weight", "official"), np.ndarray)

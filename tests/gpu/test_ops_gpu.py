@@ -465,8 +465,9 @@ def quant_raw(seed, n, k, wtype):
 
 
 def canon_qlinear(x, raw, wtype):
+    from ds4ref.quant_codes import quant_codes
     from ds4ref.reference import canon
-    return canon.qlinear(x, canon.quant_codes(wtype.upper(), raw))
+    return canon.qlinear(x, quant_codes(wtype.upper(), raw))
 
 
 @SETTINGS

@@ -82,7 +82,7 @@ extern "C" __global__ void ds4_quantize_q8(const float* __restrict__ x, long lon
 }
 
 // One weight block as the uniform codes: 32 int8 codes in 8 words, the integer multipliers
-// and mins of its two 16-column halves, and its two float scales (canon.quant_codes).
+// and mins of its two 16-column halves, and its two float scales (ds4ref.quant_codes.quant_codes).
 struct QBlock {
     int c[8];
     int mul0, mul1, mn0, mn1;
