@@ -737,6 +737,20 @@ def launch_routed_experts(rt, wbuf, wtype: str, r: int, x, per_choice: int, elis
     rt.launch(kern, (expert_blocks(rt),), (256,), (wbuf, x, I32(per_choice), elist, y, I32(N), I32(K), I32(kk)))
 
 
+def _padded_expert_inputs(x: np.ndarray, ids: np.ndarray, K: int):
+    """(P, inputs, slots, ids) of L lanes padded like a decode pass to P = max(L, 16) lanes:
+    padding lanes carry slot -1, zero inputs and expert 0."""
+    L, kk = ids.shape
+    P = max(L, MAX_LANES)
+    xs = np.zeros((P, kk, K) if x.ndim == 3 else (P, K), F32)
+    xs[:L] = x
+    slots = np.full(P, -1, np.int32)
+    slots[:L] = np.arange(L)
+    idp = np.zeros((P, kk), np.int32)
+    idp[:L] = ids
+    return P, xs, slots, idp
+
+
 def routed_experts(w, wtype: str, x, ids, rt=None, rows_per_warp: int | None = None):
     """The backend's routed-expert kernels: w (E, N, row bytes or K), x (L, K) or (L, kk, K) (one
     input per choice), ids (L, kk) -> y (L, kk, N) = W[ids[l, t]] @ x, every lane valid. Any L:
@@ -748,13 +762,7 @@ def routed_experts(w, wtype: str, x, ids, rt=None, rows_per_warp: int | None = N
     E, N = w.shape[0], w.shape[1]
     K = weight_cols(w, wtype)
     per_choice = x.ndim == 3
-    P = max(L, MAX_LANES)  # padded like a decode pass: padding lanes carry slot -1
-    xs = np.zeros((P, kk, K) if per_choice else (P, K), F32)
-    xs[:L] = x
-    slots = np.full(P, -1, np.int32)
-    slots[:L] = np.arange(L)
-    idp = np.zeros((P, kk), np.int32)
-    idp[:L] = ids
+    P, xs, slots, idp = _padded_expert_inputs(x, ids, K)
     r = rows_per_warp or (2 if N >= 16 else 1)
     with _Scope(rt) as s:
         y = s.out((P, kk, N))
@@ -919,13 +927,7 @@ def qrouted_experts(raw, wtype: str, x, ids, rt=None):
     E, N = raw.shape[0], raw.shape[1]
     K = weight_cols(raw, wtype)
     per_choice = x.ndim == 3
-    P = max(L, MAX_LANES)
-    xs = np.zeros((P, kk, K) if per_choice else (P, K), F32)
-    xs[:L] = x
-    slots = np.full(P, -1, np.int32)
-    slots[:L] = np.arange(L)
-    idp = np.zeros((P, kk), np.int32)
-    idp[:L] = ids
+    P, xs, slots, idp = _padded_expert_inputs(x, ids, K)
     packed = pack_qrows(wtype, np.ascontiguousarray(raw, np.uint8).reshape(E * N, -1)).reshape(E, N, -1)
     rows = P * (kk if per_choice else 1)
     q = Q8Rows.alloc(rt, rows * K)
