@@ -5,7 +5,8 @@
 
 Builds llama.cpp once from the PyPI sdist (cmake, CPU, a few minutes on 2 cores) and
 benchmarks/llama_cpp_logits.cpp against it, then feeds BOS plus random ids to both engines.
-ds4ref runs plain numerics in float64. A foreign engine: the numbers are a tolerance
+ds4ref runs plain numerics in float64, and official float32 with and without its integer
+products (docs/exactness.md section 2a). A foreign engine: the numbers are a tolerance
 report, not an equality. Default files: the embedded model, an all-f32 tiny file, and
 the q2/q4/mxfp4 policy files (written by python -m ds4ref.tiny).
 """
@@ -20,6 +21,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from quantised_products import float_path  # noqa: E402  (the same weights, codes hidden)
 SDIST = "llama-cpp-python==0.3.36"
 
 
@@ -46,18 +49,33 @@ def build(work: Path) -> Path:
     return tool
 
 
-def compare(tool: Path, path: Path, n: int, work: Path) -> str:
+# ds4ref's side of each comparison: plain float64 (the float64 model), and official float32
+# with the integer products (the default arithmetic) and without them, so that the two official
+# columns differ by the products' arithmetic alone
+VARIANTS = {"plain f64": lambda p: _load(p, "plain", np.float64),
+            "official f32": lambda p: _load(p, "official", np.float32),
+            "official f32, float products": lambda p: float_path(_load(p, "official", np.float32))}
+
+
+def _load(path, numerics, dtype):
     from ds4ref.model import load
-    model = load(str(path), numerics="plain", dtype=np.float64)
+    return load(str(path), numerics=numerics, dtype=dtype)
+
+
+def compare(tool: Path, path: Path, n: int, work: Path) -> str:
+    models = {k: make(path) for k, make in VARIANTS.items()}
+    cfg = models["plain f64"].config
     rng = np.random.default_rng(0)
-    ids = [int(model.config.bos_id)] + [int(t) for t in rng.integers(10, model.config.vocab_size - 10, n - 1)]
+    ids = [int(cfg.bos_id)] + [int(t) for t in rng.integers(10, cfg.vocab_size - 10, n - 1)]
     out = work / "logits.bin"
     subprocess.run([str(tool), str(path), str(out), ",".join(map(str, ids))], check=True, stderr=subprocess.DEVNULL)
     theirs = np.fromfile(out, np.float32).reshape(len(ids), -1)
-    ours = np.asarray(model.score(ids))
-    rel = np.abs(ours - theirs).max(axis=1) / np.abs(ours).max(axis=1)
-    return (f"| {path.name} | {len(ids)} | {rel[0]:.2e} | {np.median(rel):.2e} | {rel.max():.3f} | "
-            f"{np.mean(ours.argmax(1) == theirs.argmax(1)):.1%} |")
+    cells = []
+    for m in models.values():
+        ours = np.asarray(m.score(ids), np.float64)
+        rel = np.abs(ours - theirs).max(axis=1) / np.abs(ours).max(axis=1)
+        cells.append(f"{np.median(rel):.2e} / {np.mean(ours.argmax(1) == theirs.argmax(1)):.0%}")
+    return f"| {path.name} | {len(ids)} | " + " | ".join(cells) + " |"
 
 
 def default_files(work: Path) -> list[Path]:
@@ -80,8 +98,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/ds4ref-llama"))
     args = ap.parse_args()
     tool = build(args.work)
-    print("| file | positions | rel. diff, position 0 | median | max | argmax agreement |")
-    print("|---|---|---|---|---|---|")
+    print("| file | positions | " + " | ".join(f"{k}: median rel. diff / argmax agreement" for k in VARIANTS) + " |")
+    print("|---|---|" + "---|" * len(VARIANTS))
     for f in args.files or default_files(args.work):
         print(compare(tool, f, args.positions, args.work), flush=True)
 

@@ -217,17 +217,6 @@ def test_cli(tmp_path, model, official_ck, capsys):
         main(["--hf", str(official_ck), "--out", str(tmp_path / "n.gguf")])
 
 
-def test_cli_without_the_hf_extra_names_it(tmp_path, official_ck, monkeypatch):
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['safetensors'] = None; from ds4ref.convert import main; "
-            f"main(['--hf', {str(official_ck)!r}, '--out', {str(tmp_path / 'm.gguf')!r}])")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "pip install 'ds4ref[hf]'" in run.stderr
-    assert "Traceback" not in run.stderr and not (tmp_path / "m.gguf").exists()
-
-
 # ---- tokenizer ---------------------------------------------------------------------------------
 
 def _tokenizer_json(meta: dict, drop_last: bool = False) -> dict:
