@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backend import PAGE_TOKENS
 from ..config import DS4Config
 from .compact import index_row_bytes, kv_row_bytes
 
@@ -22,7 +23,7 @@ from .compact import index_row_bytes, kv_row_bytes
 @dataclass(frozen=True)
 class PageLayout:
     cfg: DS4Config
-    page_tokens: int = 128
+    page_tokens: int = PAGE_TOKENS
 
     def __post_init__(self) -> None:
         for r in set(self.cfg.compress_ratios) - {0}:

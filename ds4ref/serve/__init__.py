@@ -101,8 +101,8 @@ def available_memory(backend: str, memory_budget: Optional[int]) -> tuple[Option
 
 
 def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
-    """Refuse, before allocating, a plan that cannot fit (a 2^40 context once ended in a
-    bare MemoryError); the message names the keys and flags that size it."""
+    """Refuse, before allocating, a plan that cannot fit (a 2^40 context would otherwise end
+    in a bare MemoryError); the message names the keys and flags that size it."""
     from ..paging.plan import check_fits
     available, _ = available_memory(backend, memory_budget)
     if available is not None:

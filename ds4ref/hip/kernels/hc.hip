@@ -7,7 +7,7 @@
 // Per row n (one block): r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
 // pre = sigmoid(m[:hc]*scale0 + base) + hc_eps; post = 2*sigmoid(...);
 // comb = softmax over j of the hc x hc logits + hc_eps, then Sinkhorn exactly as
-// canon._sinkhorn (column pass first; sums in index order, all float32);
+// canon.sinkhorn (column pass first; sums in index order, all float32);
 // u = sum_k pre_k * streams[k].
 extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
                                              const float* __restrict__ base, const float* __restrict__ scale,

@@ -1,4 +1,4 @@
-"""Hostile requests (issue H): chunked bodies over the cap, bodies that never arrive,
+"""Hostile requests: chunked bodies over the cap, bodies that never arrive,
 stop strings that would starve the loop, and failures inside a generation."""
 from __future__ import annotations
 
