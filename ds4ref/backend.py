@@ -118,3 +118,40 @@ class Backend(Protocol):
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one gathered pass."""
+
+
+# ---- the protocol's checks, shared by every backend ------------------------------------------
+def check_rows(rows, next_pos: Sequence[int], table_sizes: Sequence[int], page_tokens: int, vocab: int,
+               max_rows: int = MAX_ROWS) -> None:
+    """A pass's rows against the slots' state: at most max_rows rows, slots in range, each slot's
+    rows at consecutive positions from where its state is (in order, once each), every position
+    on a mapped page, token ids in the vocabulary. Raises ValueError before any state changes."""
+    if len(rows) > max_rows:
+        raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
+    n_slots = len(next_pos)
+    expect: dict[int, int] = {}
+    for r in rows:
+        if not 0 <= r.slot < n_slots:
+            raise ValueError(f"slot {r.slot} out of range 0..{n_slots - 1}")
+        at = expect.get(r.slot, int(next_pos[r.slot]))
+        if r.position != at:
+            raise ValueError(f"slot {r.slot}: row at position {r.position}, but the slot's state is at "
+                             f"{at} (rows must arrive in order, once each)")
+        expect[r.slot] = at + 1
+        needed = r.position // page_tokens + 1
+        if needed > table_sizes[r.slot]:
+            raise ValueError(f"slot {r.slot}: position {r.position} needs {needed} mapped pages, "
+                             f"block table has {table_sizes[r.slot]}")
+        if not 0 <= r.token < vocab:
+            raise ValueError(f"slot {r.slot}: token id {r.token} out of range 0..{vocab - 1}")
+
+
+def check_block_table(slot: int, old: Sequence[int], new: Sequence[int], n_pages: int) -> None:
+    """A slot's new block table: page ids in range, and the old table as its prefix (a table
+    only grows; a page holding rows never moves). Raises ValueError."""
+    new = np.asarray(new, np.int64).reshape(-1)
+    if new.size and (new.min() < 0 or new.max() >= n_pages):
+        raise ValueError(f"slot {slot}: page id out of range 0..{n_pages - 1} in block table")
+    old = np.asarray(old, np.int64).reshape(-1)
+    if new.size < old.size or not np.array_equal(new[: old.size], old):
+        raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ds4ref.backend import Row
-from ds4ref.hip.device_state import (LANE_FIELDS, check_rows, lane_fields, lane_order,
+from ds4ref.backend import check_rows
+from ds4ref.hip.device_state import (LANE_FIELDS, lane_fields, lane_order,
                                      max_pages_per_slot)
 
 F = {name: i for i, name in enumerate(LANE_FIELDS)}

@@ -33,11 +33,11 @@ import os
 
 import numpy as np
 
-from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
+from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
 from ..reference import canon
 from ..reference.state import ATTN, INDEX
 from . import ops as K
-from .device_state import DeviceState, check_rows, lane_fields, lane_order
+from .device_state import DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import MAX_ROWS
+from ..backend import MAX_ROWS, check_block_table
 from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
 from ..reference.state import ATTN, INDEX
 
@@ -51,30 +51,6 @@ def lane_order(slots: Sequence[int]) -> list[int]:
     for i, s in enumerate(slots):
         first.setdefault(int(s), i)
     return sorted(range(len(slots)), key=lambda i: (first[int(slots[i])], i))
-
-
-def check_rows(rows, next_pos: np.ndarray, table_sizes: Sequence[int], page_tokens: int, vocab: int,
-               max_rows: int = MAX_ROWS) -> None:
-    """The NumpyBackend's plan checks: in-order positions, mapped pages, token range.
-    Raises ValueError before any state changes."""
-    if len(rows) > max_rows:
-        raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
-    n_slots = len(next_pos)
-    expect: dict[int, int] = {}
-    for r in rows:
-        if not 0 <= r.slot < n_slots:
-            raise ValueError(f"slot {r.slot} out of range 0..{n_slots - 1}")
-        at = expect.get(r.slot, int(next_pos[r.slot]))
-        if r.position != at:
-            raise ValueError(f"slot {r.slot}: row at position {r.position}, but the slot's state is at "
-                             f"{at} (rows must arrive in order, once each)")
-        expect[r.slot] = at + 1
-        needed = r.position // page_tokens + 1
-        if needed > table_sizes[r.slot]:
-            raise ValueError(f"slot {r.slot}: position {r.position} needs {needed} mapped pages, "
-                             f"block table has {table_sizes[r.slot]}")
-        if not 0 <= r.token < vocab:
-            raise ValueError(f"slot {r.slot}: token id {r.token} out of range 0..{vocab - 1}")
 
 
 def lane_fields(rows, ratios: Sequence[int], n_lanes: int = MAX_ROWS) -> np.ndarray:
@@ -240,14 +216,11 @@ class DeviceState:
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self.check_slot(slot)
         table = np.asarray(pages, np.int64).reshape(-1)
-        if table.size and (table.min() < 0 or table.max() >= self.n_pages):
-            raise ValueError(f"slot {slot}: page id out of range 0..{self.n_pages - 1} in block table")
+        check_block_table(slot, self.tables[slot], table, self.n_pages)
         if table.size > self.maxp:
             raise ValueError(f"slot {slot}: {table.size} pages exceed the per-slot capacity {self.maxp} "
                              f"(context {self.cfg.context_length} tokens)")
         old = self.tables[slot]
-        if not np.array_equal(table[: old.size], old):
-            raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")
         self._zero_pages(table[old.size:])  # a pooled page may hold another sequence's rows
         self.tables[slot] = table
         self._upload_table(slot)

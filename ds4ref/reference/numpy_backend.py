@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
+from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_block_table, check_rows
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
@@ -115,11 +115,8 @@ class NumpyBackend:
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self._check_slot(slot)
         table = np.asarray(pages, np.int64)
-        if table.size and (table.min() < 0 or table.max() >= self.n_pages):
-            raise ValueError(f"slot {slot}: page id out of range 0..{self.n_pages - 1} in block table")
         old = self.block_tables[slot]
-        if not np.array_equal(table[: old.size], old):
-            raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")
+        check_block_table(slot, old, table, self.n_pages)
         self._zero_pages(table[old.size:])  # a page from the pool may hold another sequence's rows
         self.block_tables[slot] = table
 
@@ -150,22 +147,7 @@ class NumpyBackend:
             raise ValueError(f"slot {slot} out of range 0..{self.n_slots - 1}")
 
     def _check_rows(self, rows) -> None:
-        if len(rows) > self.max_rows:
-            raise ValueError(f"a pass holds at most {self.max_rows} rows, got {len(rows)}")
-        expect: dict[int, int] = {}
-        for r in rows:
-            self._check_slot(r.slot)
-            at = expect.get(r.slot, int(self.next_pos[r.slot]))
-            if r.position != at:
-                raise ValueError(f"slot {r.slot}: row at position {r.position}, but the slot's state is at "
-                                 f"{at} (rows must arrive in order, once each)")
-            expect[r.slot] = at + 1
-            self._check_row(r)
-
-    def _check_row(self, r) -> None:
-        needed = r.position // self.layout.page_tokens + 1
-        if needed > self.block_tables[r.slot].size:
-            raise ValueError(f"slot {r.slot}: position {r.position} needs {needed} mapped pages, "
-                             f"block table has {self.block_tables[r.slot].size}")
-        if not 0 <= r.token < self.cfg.vocab_size:
-            raise ValueError(f"slot {r.slot}: token id {r.token} out of range 0..{self.cfg.vocab_size - 1}")
+        if self.layout is None:
+            raise RuntimeError("backend not configured: call configure(n_slots, n_pages) first")
+        check_rows(rows, self.next_pos, [t.size for t in self.block_tables], self.layout.page_tokens,
+                   self.cfg.vocab_size, self.max_rows)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult
+from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_block_table, check_rows
 
 
 class ProtocolError(AssertionError):
@@ -43,14 +43,13 @@ class HashBackend:
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         pages = [int(p) for p in pages]
-        old = self.tables[slot]
-        if pages[:len(old)] != old:
-            raise ProtocolError(f"slot {slot}: table {old} was rewritten as {pages}")
-        for other, t in enumerate(self.tables):
+        try:
+            check_block_table(slot, self.tables[slot], pages, self.n_pages)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        for other, t in enumerate(self.tables):  # the engine's own rule, beyond the protocol's
             if other != slot and set(t) & set(pages):
                 raise ProtocolError(f"slot {slot} maps pages {sorted(set(t) & set(pages))} of slot {other}")
-        if not all(0 <= p < self.n_pages for p in pages):
-            raise ProtocolError(f"slot {slot}: page out of range in {pages}")
         self.tables[slot] = pages
 
     def history(self, slot: int) -> np.ndarray:
@@ -63,11 +62,15 @@ class HashBackend:
         return np.random.default_rng(seed).standard_normal(self.vocab_size).astype(np.float32)
 
     def step(self, plan: StepPlan) -> StepResult:
-        if plan.n_rows > self.max_rows:
-            raise ProtocolError(f"a pass of {plan.n_rows} rows; this backend holds at most {self.max_rows}")
+        rows = plan.rows()
+        try:
+            check_rows(rows, self.length, [len(t) for t in self.tables], self.page_tokens, self.vocab_size,
+                       self.max_rows)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         self.passes.append(plan)
         logits, argmax = [], []
-        for r in plan.rows():
+        for r in rows:
             self._write(r.slot, r.position, r.token)
             lg = self.logits_for(self.history(r.slot))
             logits.append(lg if r.want_logits else None)
@@ -75,12 +78,7 @@ class HashBackend:
         return StepResult(logits, np.asarray(argmax, np.int32))
 
     def _write(self, slot: int, position: int, token: int) -> None:
-        if position != self.length[slot]:
-            raise ProtocolError(f"slot {slot}: row at position {position}, history has {self.length[slot]}")
         logical = position // self.page_tokens
-        if logical >= len(self.tables[slot]):
-            raise ProtocolError(f"slot {slot}: position {position} needs logical page {logical}, "
-                                f"table has {len(self.tables[slot])}")
         self.memory[self.tables[slot][logical], position % self.page_tokens] = token
         self.length[slot] += 1
 
