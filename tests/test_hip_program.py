@@ -19,7 +19,7 @@ from ds4ref.hip.device_weights import DeviceWeights
 from ds4ref.hip.runtime import KERNEL_DIR
 from ds4ref.reference.layers import Tables
 from ds4ref.reference.state import ATTN, INDEX
-from ds4ref.tiny import tiny_config
+from ds4ref.tiny import POLICY_DIMS, tiny_config
 
 
 class Buf:
@@ -104,10 +104,15 @@ def kernel_params() -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("numerics", ["official", "plain"])
-def test_pass_records_with_matching_argument_lists(rt, numerics):
-    cfg = tiny_config()
-    dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
+@pytest.mark.parametrize("numerics,weights", [("official", "bf16"), ("plain", "bf16"), ("official", "q2"),
+                                               ("plain", "q2")])
+def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
+    """Both numerics over float weights, and over the q2 policy's block quants (official numerics
+    record the quantised products: a quantise launch before each, repacked weights)."""
+    # 512 wide: an unpacked IQ2_XXS row of 256 is 66 bytes, which the tiling kernel cannot copy
+    cfg = tiny_config(**({} if weights == "bf16" else dict(POLICY_DIMS, n_embd=512)))
+    dw = (DeviceWeights.random_flash(rt, cfg, big=1 << 30) if weights == "bf16" else
+          DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official"))
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
@@ -131,6 +136,13 @@ def test_pass_records_with_matching_argument_lists(rt, numerics):
     embed = [i for i, op in enumerate(small) if op[0][1] == "step_embed"][0]
     assert small[embed][1] == (16,) and big[embed][1] == (256,)
     assert backend.compact == (numerics == "official")
+    quantised = [name for (_f, name), *_ in small if name.startswith(("ds4_qmatvec", "ds4_qexperts"))]
+    quantise = [op for op in small if op[0][1] == "ds4_quantize_q8"]
+    if weights == "q2" and numerics == "official":
+        assert quantised and len(quantise) == len(quantised)  # every quantised product quantises its input
+        assert all(t.packed for n, t in dw.mats.items() if t.wtype in K.QUANT_WTYPES and n != "token_embd.weight")
+    else:
+        assert not quantised and not quantise
 
 
 def test_compact_state_is_what_the_rows_need(rt):

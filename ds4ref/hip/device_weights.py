@@ -185,8 +185,6 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
     from ..tiny import _random_tensor, random_blocks
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     row_bytes = cols // block * size
-    if row_bytes % 4:
-        raise ValueError(f"{suffix}: {qtype} rows of {cols} are {row_bytes} bytes, not whole 32-bit words")
     rows = max(1, min(4096, max_bytes // row_bytes))
     rng = np.random.default_rng([seed, cols, len(suffix)])
     values = _random_tensor(rng, config, suffix, (rows, cols))
@@ -197,6 +195,8 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
     data = np.ascontiguousarray(data).view(np.uint8).reshape(rows, row_bytes)
     if packed:
         data = pack_qrows(qtype.lower(), data)
+    if data.shape[1] % 4:  # step_tile_rows copies 32-bit words
+        raise ValueError(f"{suffix}: {qtype} rows of {cols} are {data.shape[1]} bytes, not whole 32-bit words")
     return rt.upload(data), rows, data.shape[1]
 
 
