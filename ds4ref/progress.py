@@ -5,14 +5,15 @@ pipes and tests see nothing; DS4REF_PROGRESS=0 turns them off everywhere.
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Iterable, Optional
+
+from .settings import getenv
 
 
 def progress(iterable: Optional[Iterable] = None, desc: str = "", total: Optional[int] = None, unit: str = "it"):
     from tqdm import tqdm
 
-    off = os.environ.get("DS4REF_PROGRESS", "1") == "0"
+    off = getenv("DS4REF_PROGRESS") == "0"
     return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=False, mininterval=0.5,
                 disable=True if off else None)

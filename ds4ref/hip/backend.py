@@ -29,12 +29,12 @@ Design (docs/hip_backend.md has the long form):
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
 from ..reference import canon
+from ..settings import getenv, getenv_int
 from ..reference.state import ATTN, INDEX
 from . import ops as K
 from .device_state import DeviceState, lane_fields, lane_order
@@ -46,8 +46,8 @@ from .workspace import (attention_slices, device_bytes, q8_width, rope_positions
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
 # prompt pass (whose entries carry more lanes: more rows per block stage their inputs less often)
-EXPERT_RPW = int(os.environ.get("DS4REF_EXPERT_RPW", "2"))
-PREFILL_EXPERT_RPW = int(os.environ.get("DS4REF_PREFILL_EXPERT_RPW", "4"))
+EXPERT_RPW = getenv_int("DS4REF_EXPERT_RPW")
+PREFILL_EXPERT_RPW = getenv_int("DS4REF_PREFILL_EXPERT_RPW")
 
 
 def _blocks(n: int, per: int) -> int:
@@ -98,9 +98,9 @@ class HipBackend:
             if name != "token_embd.weight" and t.wtype in K.QUANT_WTYPES and t.packed != self.quantised_products:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
                                  f"numerics, the model runs {self.numerics}")
-        self.use_graph = (os.environ.get("DS4REF_HIP_GRAPH", "1") != "0") if use_graph is None else use_graph
+        self.use_graph = (getenv("DS4REF_HIP_GRAPH") != "0") if use_graph is None else use_graph
         # official numerics' KV and indexer rows are FP8/FP4 grid values: stored compactly, exactly
-        self.compact = self.numerics == "official" and os.environ.get("DS4REF_COMPACT_KV", "1") != "0"
+        self.compact = self.numerics == "official" and getenv("DS4REF_COMPACT_KV") != "0"
         self._tables()
         self.state: DeviceState | None = None
         self.capture_count = 0

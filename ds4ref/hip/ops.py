@@ -12,12 +12,12 @@ wtype="bf16"; Q8_0 as raw uint8 rows of K/32 blocks x 34 bytes with wtype="q8_0"
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..reference import canon
+from ..settings import getenv, getenv_int
 from .runtime import DeviceBuffer, Runtime, get_runtime
 
 I32, F32, F64 = np.int32, np.float32, np.float64
@@ -27,7 +27,7 @@ MAX_LANES = 16
 # for few-row matrices); attention as v2.
 # v2: matvec with wide staging and batched loads, key-split attention.
 # v1: the first, simplest versions, kept as the known-good fallback.
-KERNELS = os.environ.get("DS4REF_KERNELS", "v3")
+KERNELS = getenv("DS4REF_KERNELS")
 WTYPES = ("f32", "f16", "bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs", "mxfp4")
 # GGUF block quants the kernels dequantise in registers: (bytes, weights) per block
 BLOCK_QUANTS = {"q8_0": (34, 32), "q2_k": (84, 256), "q4_k": (144, 256), "iq2_xxs": (66, 256), "mxfp4": (17, 32)}
@@ -361,7 +361,7 @@ def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
     registers for r4). v3: by the matrix's row count (RPW3_POLICY: the smallest row count
     from which each R is used), and for a prompt pass (L > 16) PREFILL_RPW for every matrix;
     DS4REF_MATVEC_RPW forces one for experiments. The choice never changes a result."""
-    forced = os.environ.get("DS4REF_MATVEC_RPW")
+    forced = getenv("DS4REF_MATVEC_RPW")
     if forced:
         if forced not in ("1", "2", "4"):
             raise UnsupportedShapeError(f"DS4REF_MATVEC_RPW={forced!r} is not 1, 2 or 4")
@@ -383,7 +383,7 @@ RPW3_POLICY = ((2, 2049),)
 # a prompt pass's dense matvecs: r2 for every matrix (r1 would stage each lane group's inputs
 # for 8 rows only; r4 measured slower: 208 registers, one block per multiprocessor; H200,
 # docs/performance.md "Prompt passes")
-PREFILL_RPW = int(os.environ.get("DS4REF_PREFILL_RPW", "2"))
+PREFILL_RPW = getenv_int("DS4REF_PREFILL_RPW")
 
 
 def ksplit_scratch(rt, dw: DeviceWeight, L: int = MAX_LANES) -> DeviceBuffer | None:

@@ -20,7 +20,6 @@ refused, because their width is ambiguous and a wrong width corrupts the launch.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import threading
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+
+from ..settings import getenv
 
 KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
 HEADER = "ds4_hip.h"
@@ -258,7 +259,7 @@ class Runtime(ABC):
     def compile_file(self, filename: str, options: Sequence[str] = ()) -> Module:
         # DS4REF_KERNEL_DEFINES="NAME=V ..." sets the kernels' tuning macros (docs/kernels.md),
         # for A/B timing runs: a tuning macro never changes a result bit
-        defines = [f"-D{d}" for d in os.environ.get("DS4REF_KERNEL_DEFINES", "").split()]
+        defines = [f"-D{d}" for d in getenv("DS4REF_KERNEL_DEFINES").split()]
         options = (*options, *defines)
         key = (filename, tuple(options))
         cache = self.__dict__.setdefault("_module_cache", {})
@@ -575,7 +576,7 @@ def get_runtime(force: str | None = None) -> Runtime:
     with _lock:
         if _runtime is not None:
             return _runtime
-        choice = (force or os.environ.get(ENV_RUNTIME, "")).strip().lower()
+        choice = (force or getenv(ENV_RUNTIME)).strip().lower()
         if choice and choice not in _ADAPTERS:
             raise NoGpuError(f"{ENV_RUNTIME}={choice!r} is not one of {sorted(_ADAPTERS)}")
         order = [choice] if choice else ["hip", "cuda"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import os
 import re
 import socket
 import sys
 from ..cli import HelpFormatter
+from ..settings import getenv
 
 from ..backend import PREFILL_ROWS
 from . import MAX_LANES
@@ -106,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
                         "is closed (slowloris; 0 = never)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="server log level")
-    p.add_argument("--api-key", default=os.environ.get("DS4REF_API_KEY"),
+    p.add_argument("--api-key", default=getenv("DS4REF_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
                         "(default: $DS4REF_API_KEY, else open)")
     p.add_argument("--allowed-origins", default="",
