@@ -2,7 +2,7 @@
 changes. Modules read them through `getenv`, never os.environ, so this table is the whole list
 (tinygrad's getenv, with the names written down). None of them changes a result: they choose
 kernels, tuning and output, and the canonical arithmetic is the same under every choice.
-The test suite reads its own variables (the backend under test, the asset cache) in tests/
+The test suite reads its own variables (the backend under test, the asset cache) in tests/.
 
     python -m ds4ref.settings        # the table, with the values in force
 """
