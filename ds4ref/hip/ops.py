@@ -836,10 +836,6 @@ class Q8Rows:
     xs: DeviceBuffer
     capacity: int
 
-    @staticmethod
-    def bytes_per_element() -> float:
-        return 1 + 4 / 32 + 2 / 16
-
     @classmethod
     def alloc(cls, rt, elements: int) -> "Q8Rows":
         n = -(-int(elements) // 32) * 32
