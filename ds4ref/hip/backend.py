@@ -41,7 +41,7 @@ from .device_state import DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
-                        workspace_sizes)
+                        shared_q8_inputs, workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
@@ -222,7 +222,8 @@ class HipBackend:
 
     # ---- constants and workspace ---------------------------------------------------------
     def _tables(self) -> None:
-        self.hadamard = self.rt.upload(np.asarray(self.model.tables.hadamard, F32))
+        # transposed: ds4_hadamard_rows reads it a column per thread (its comment says why)
+        self.hadamard = self.rt.upload(np.ascontiguousarray(np.asarray(self.model.tables.hadamard, F32).T))
         self.rope_cs: dict[int, object] = {}
 
     def _rope_tables(self, positions: int) -> None:
@@ -246,6 +247,11 @@ class HipBackend:
         ws = self._ws
         self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"],
                             L * q8_width(self.cfg, self.quantised_products))
+        # the int8 rows of a, qr and xn, made by their norms and read by every product of them
+        # (with float weights only, nothing reads int8 rows)
+        any_packed = any(t.packed for t in self.w.mats.values())
+        self._q8_of = {name: K.Q8Rows(ws[f"{name}_q8_codes"], ws[f"{name}_q8_scales"], ws[f"{name}_q8_sums"], L * w)
+                       for name, w in shared_q8_inputs(self.cfg, self.quantised_products and any_packed).items()}
         self.rt.synchronize()
 
     @property
@@ -271,23 +277,31 @@ class HipBackend:
         self._head(rec)
 
     # small launch helpers ---------------------------------------------------------------
-    def _mv(self, rec, name, x, y, **kw):
+    def _mv(self, rec, name, x, y, q8=None, **kw):
+        """y = x @ W.T for every lane; q8: x's int8 rows where a producer already made them."""
         L = rec.L
         # padding lanes past the last row are skipped on the device
         kw.setdefault("lane_slot", self.state.lane("slot"))
         w = self.w.mat(name)
         if w.packed:
             width = kw.pop("ldx", None) or w.cols
-            K.launch_quantize_q8(rec, x, self._q8, L, width)
-            K.launch_qmatvec(rec, w, self._q8, y, L, Wx=width, **kw)
+            if q8 is None:
+                q8 = self._q8
+                K.launch_quantize_q8(rec, x, q8, L, width)
+            K.launch_qmatvec(rec, w, q8, y, L, Wx=width, **kw)
             return
         kw.update(part=self._ws["ksplit"])
         K.launch_matvec(rec, w, x, y, L, **kw)
 
-    def _norm(self, rec, x, wname, y, rows, D, lanes=None):
+    def _norm(self, rec, x, wname, y, rows, D, lanes=None, q8=None):
+        """rmsnorm of rows of D; with q8 (one row per lane), y's int8 rows too."""
         L = rec.L
-        K.launch_rmsnorm(rec, x, None if wname is None else self.w.vec(wname), y, rows, D, self.cfg.rms_eps,
-                         self.state.lane("slot") if lanes is None else lanes, rows // L)
+        w = None if wname is None else self.w.vec(wname)
+        lanes = self.state.lane("slot") if lanes is None else lanes
+        if q8 is not None:
+            K.launch_rmsnorm_q8(rec, x, w, y, rows, D, self.cfg.rms_eps, q8, lanes)
+            return
+        K.launch_rmsnorm(rec, x, w, y, rows, D, self.cfg.rms_eps, lanes, rows // L)
 
     def _rope(self, rec, v, posbuf, ratio, rows_per_lane, D, inverse=False):
         L = rec.L
@@ -320,13 +334,14 @@ class HipBackend:
         ratio, D, H = c.ratio(il), c.head_dim, c.n_head
         p = f"blk.{il}."
         pos = st.lane("pos")
+        q8a, q8qr = self._q8_of.get("a"), self._q8_of.get("qr")
         self._hc_pre(rec, il, "attn", ws["s0"])
-        self._norm(rec, ws["u"], p + "attn_norm.weight", ws["a"], L, c.n_embd)
-        self._mv(rec, p + "attn_q_a.weight", ws["a"], ws["qa_raw"])
-        self._norm(rec, ws["qa_raw"], p + "attn_q_a_norm.weight", ws["qr"], L, c.q_lora_rank)
-        self._mv(rec, p + "attn_q_b.weight", ws["qr"], ws["q_raw"])
+        self._norm(rec, ws["u"], p + "attn_norm.weight", ws["a"], L, c.n_embd, q8=q8a)
+        self._mv(rec, p + "attn_q_a.weight", ws["a"], ws["qa_raw"], q8=q8a)
+        self._norm(rec, ws["qa_raw"], p + "attn_q_a_norm.weight", ws["qr"], L, c.q_lora_rank, q8=q8qr)
+        self._mv(rec, p + "attn_q_b.weight", ws["qr"], ws["q_raw"], q8=q8qr)
         self._norm(rec, ws["q_raw"], None, ws["q"], L * H, D)
-        self._mv(rec, p + "attn_kv.weight", ws["a"], ws["kv_raw"])
+        self._mv(rec, p + "attn_kv.weight", ws["a"], ws["kv_raw"], q8=q8a)
         self._norm(rec, ws["kv_raw"], p + "attn_kv_a_norm.weight", ws["kv"], L, D)
         self._rope(rec, ws["q"], pos, ratio, H, D)
         self._rope(rec, ws["kv"], pos, ratio, 1, D)
@@ -359,8 +374,8 @@ class HipBackend:
         pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
         pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
         nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
-        self._mv(rec, pre + "_kv.weight", ws["a"], pkv)
-        self._mv(rec, pre + "_gate.weight", ws["a"], psc)
+        self._mv(rec, pre + "_kv.weight", ws["a"], pkv, q8=self._q8_of.get("a"))
+        self._mv(rec, pre + "_gate.weight", ws["a"], psc, q8=self._q8_of.get("a"))
         C = 8 if ratio == 4 else ratio
         kso = rec.compile_file("step_state.hip").kernel
         rec.launch(kso("step_comp_gather"), (_blocks(L * C * width, 256),), (256,),
@@ -399,12 +414,12 @@ class HipBackend:
         c, ws, st = self.cfg, self._ws, self.state
         p = f"blk.{il}."
         Hi, Di = c.indexer_heads, c.indexer_head_dim
-        self._mv(rec, p + "indexer.attn_q_b.weight", ws["qr"], ws["qi"])
+        self._mv(rec, p + "indexer.attn_q_b.weight", ws["qr"], ws["qi"], q8=self._q8_of.get("qr"))
         self._rope(rec, ws["qi"], st.lane("pos"), 4, Hi, Di)
         qi = ws["qi"]
         if self.numerics == "official":
             qi = self._qat(rec, qi, ws["qi_h"], ws["qi_q"], L * Hi, Di)
-        self._mv(rec, p + "indexer.proj.weight", ws["a"], ws["wraw"])
+        self._mv(rec, p + "indexer.proj.weight", ws["a"], ws["wraw"], q8=self._q8_of.get("a"))
         scale = F32(1.0 / math.sqrt(Hi * Di))
         per = st.layout.rows_per_page(4)
         kso = rec.compile_file("step_state.hip").kernel
@@ -462,9 +477,10 @@ class HipBackend:
         c, ws, st = self.cfg, self._ws, self.state
         p = f"blk.{il}."
         kk, clamp = c.n_expert_used, F32(c.swiglu_clamp[il])
+        q8xn = self._q8_of.get("xn")
         self._hc_pre(rec, il, "ffn", ws["s1"])
-        self._norm(rec, ws["u"], p + "ffn_norm.weight", ws["xn"], L, c.n_embd)
-        self._mv(rec, p + "ffn_gate_inp.weight", ws["xn"], ws["rlog"])
+        self._norm(rec, ws["u"], p + "ffn_norm.weight", ws["xn"], L, c.n_embd, q8=q8xn)
+        self._mv(rec, p + "ffn_gate_inp.weight", ws["xn"], ws["rlog"], q8=q8xn)
         ko = rec.compile_file("step_ops.hip").kernel
         if c.is_hash_layer(il):
             rec.launch(ko("step_hash_ids"), (_blocks(L * kk, 256),), (256,),
@@ -478,30 +494,35 @@ class HipBackend:
         rec.launch(ko("step_expert_list"), (1,), (256,),
                    (ws["ids"], st.lane("slot"), I32(L), I32(kk), I32(c.n_expert), ws["elist"]))
         ff = c.expert_ff
-        self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"])
-        self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"])
-        act = K.kernel(rec, "moe", "ds4_swiglu_act")
-        rec.launch(act, (_blocks(L * kk * ff, 256),), (256,), (ws["eg"], ws["eu"], ws["eh"], np.int64(L * kk * ff), clamp))
-        self._experts(rec, p + "ffn_down_exps.weight", ws["eh"], 1, ws["ed"])
+        self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"], q8=q8xn)
+        self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"], q8=q8xn)
+        # the activation quantises h itself when the down product takes int8 rows
+        q8h = self._q8 if self.w.tensor(p + "ffn_down_exps.weight").packed else None
+        K.launch_swiglu_act(rec, ws["eg"], ws["eu"], ws["eh"], L * kk * ff, clamp, q8h)
+        self._experts(rec, p + "ffn_down_exps.weight", ws["eh"], 1, ws["ed"], q8=q8h)
         shared = None
         if c.n_expert_shared:
             ffs = self.w.mat(p + "ffn_gate_shexp.weight").rows
-            self._mv(rec, p + "ffn_gate_shexp.weight", ws["xn"], ws["sg"])
-            self._mv(rec, p + "ffn_up_shexp.weight", ws["xn"], ws["su"])
-            rec.launch(act, (_blocks(L * ffs, 256),), (256,), (ws["sg"], ws["su"], ws["sh"], np.int64(L * ffs), clamp))
-            self._mv(rec, p + "ffn_down_shexp.weight", ws["sh"], ws["sd"])
+            self._mv(rec, p + "ffn_gate_shexp.weight", ws["xn"], ws["sg"], q8=q8xn)
+            self._mv(rec, p + "ffn_up_shexp.weight", ws["xn"], ws["su"], q8=q8xn)
+            q8h = self._q8 if self.w.mat(p + "ffn_down_shexp.weight").packed else None
+            K.launch_swiglu_act(rec, ws["sg"], ws["su"], ws["sh"], L * ffs, clamp, q8h)
+            self._mv(rec, p + "ffn_down_shexp.weight", ws["sh"], ws["sd"], q8=q8h)
             shared = ws["sd"]
         rec.launch(ko("step_moe_combine"), (_blocks(L * c.n_embd, 256),), (256,),
                    (ws["ed"], ws["rw"], shared, ws["ym"], I32(L), I32(kk), I32(c.n_embd)))
         self._hc_post(rec, ws["s1"], ws["ym"], ws["s0"])
 
-    def _experts(self, rec, name, x, per_choice, y) -> None:
+    def _experts(self, rec, name, x, per_choice, y, q8=None) -> None:
+        """The routed experts' product for the pass's (lane, choice) pairs; q8 as in _mv."""
         t = self.w.tensor(name)
         E, N, Kc = t.shape
         if t.packed:
             kk = self.cfg.n_expert_used
-            K.launch_quantize_q8(rec, x, self._q8, rec.L * (kk if per_choice else 1), Kc)
-            K.launch_qexperts(rec, t.buf, t.wtype, self._q8, per_choice, self._ws["elist"], y, N, Kc, kk)
+            if q8 is None:
+                q8 = self._q8
+                K.launch_quantize_q8(rec, x, q8, rec.L * (kk if per_choice else 1), Kc)
+            K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk)
             return
         r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,

@@ -186,6 +186,30 @@ def launch_rmsnorm(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer,
               (x, w, y, I32(D), F32(eps), lane_slot, I32(rows_per_lane)))
 
 
+def launch_rmsnorm_q8(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer, rows: int, D: int, eps: float,
+                      q: "Q8Rows", lane_slot=None):
+    """ds4_rmsnorm, and y's rows quantised into q (D wide) for the products that read them."""
+    _need(D % 32 == 0, f"rmsnorm_q8: width {D} is not a multiple of 32")
+    _need(rows * D <= q.capacity, f"rmsnorm_q8: {rows} x {D} exceeds the scratch ({q.capacity})")
+    rt.launch(kernel(rt, "norm", "ds4_rmsnorm_q8"), (rows,), (256,),
+              (x, w, y, I32(D), F32(eps), lane_slot, q.xq, q.dx, q.xs))
+
+
+def rmsnorm_q8(x, w, eps, rt=None):
+    """Twin of rmsnorm then canon.quantize_q8 of its output: (y, codes int8, block scales f32)."""
+    rt = _rt(rt)
+    x = _f32(np.atleast_2d(x))
+    rows, D = x.shape
+    q = Q8Rows.alloc(rt, rows * D)
+    try:
+        with _Scope(rt) as s:
+            y = s.out(x.shape)
+            launch_rmsnorm_q8(rt, s.up(x), None if w is None else s.up(_f32(w)), y, rows, D, eps, q)
+            return s.get(y, x.shape), *q.get(rt, rows, D)
+    finally:
+        q.free()
+
+
 def rmsnorm(x, w, eps, rt=None):
     rt = _rt(rt)
     x = _f32(x)
@@ -245,7 +269,7 @@ def hadamard_rotate(v, h, rt=None):
     with _Scope(rt) as s:
         out = s.out(v.shape)
         rt.launch(kernel(rt, "quant", "ds4_hadamard_rows"), (_blocks(R * n, 256),), (256,),
-                  (s.up(v), s.up(h), out, I32(R), I32(n), None, I32(1)))
+                  (s.up(v), s.up(np.ascontiguousarray(h.T)), out, I32(R), I32(n), None, I32(1)))
         return s.get(out, v.shape)
 
 
@@ -692,8 +716,7 @@ def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
                 g, u, h, y = s.out((L, F)), s.out((L, F)), s.out((L, F)), s.out((L, ws[2].rows))
                 launch_matvec(rt, ws[0], xb, g, L)
                 launch_matvec(rt, ws[1], xb, u, L)
-                rt.launch(kernel(rt, "moe", "ds4_swiglu_act"), (_blocks(L * F, 256),), (256,),
-                          (g, u, h, np.int64(L * F), F32(clamp)))
+                launch_swiglu_act(rt, g, u, h, L * F, clamp)
                 launch_matvec(rt, ws[2], h, y, L)
                 outs.append(s.get(y, (L, ws[2].rows)))
     finally:
@@ -701,6 +724,34 @@ def swiglu(x, w1, w3, w2, clamp, wtype=None, rt=None):
             w.buf.free()
     y = np.concatenate(outs, axis=0)
     return y[0] if squeeze else y
+
+
+def launch_swiglu_act(rt, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, n: int, clamp: float,
+                      q: "Q8Rows | None" = None) -> None:
+    """h = the clamped SwiGLU activation of g and u (n values); with q, h's rows (a multiple of
+    32 wide) are also quantised into q for the down product."""
+    if q is None:
+        rt.launch(kernel(rt, "moe", "ds4_swiglu_act"), (_blocks(n, 256),), (256,),
+                  (g, u, h, np.int64(n), F32(clamp)))
+        return
+    _need(n % 32 == 0 and n <= q.capacity, f"swiglu_act_q8: {n} values do not fit the scratch ({q.capacity})")
+    rt.launch(kernel(rt, "moe", "ds4_swiglu_act_q8"), (_blocks(n, 256),), (256,),
+              (g, u, h, np.int64(n // 32), F32(clamp), q.xq, q.dx, q.xs))
+
+
+def swiglu_act_q8(g, u, clamp, rt=None):
+    """Twin of the activation then canon.quantize_q8 of h: (h, codes int8, block scales f32)."""
+    rt = _rt(rt)
+    g, u = _f32(np.atleast_2d(g)), _f32(np.atleast_2d(u))
+    rows, W = g.shape
+    q = Q8Rows.alloc(rt, rows * W)
+    try:
+        with _Scope(rt) as s:
+            h = s.out(g.shape)
+            launch_swiglu_act(rt, s.up(g), s.up(u), h, rows * W, clamp, q)
+            return s.get(h, g.shape), *q.get(rt, rows, W)
+    finally:
+        q.free()
 
 
 EL_PAIRS = MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 (lane, choice) pairs
@@ -845,13 +896,17 @@ class Q8Rows:
         for b in (self.xq, self.dx, self.xs):
             b.free()
 
+    def get(self, rt, rows: int, W: int) -> tuple[np.ndarray, np.ndarray]:
+        """(codes (rows, W) int8, block scales (rows, W/32) f32) of the first rows."""
+        rt.synchronize()
+        return rt.download(self.xq, (rows, W), np.int8), rt.download(self.dx, (rows, W // 32), F32)
+
 
 def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: int | None = None) -> None:
     """q <- the rows of x (rows x W floats, ldx apart) quantised per 32-column block."""
     _need(W % 32 == 0, f"quantize_q8: width {W} is not a multiple of 32")
     _need(rows * W <= q.capacity, f"quantize_q8: {rows} x {W} exceeds the scratch ({q.capacity})")
-    nb = rows * (W // 32)
-    rt.launch(kernel(rt, "qdot", "ds4_quantize_q8"), (_blocks(nb, 256),), (256,),
+    rt.launch(kernel(rt, "qdot", "ds4_quantize_q8"), (_blocks(rows * W, 256),), (256,),
               (x, np.int64(ldx or W), I32(W), I32(rows), q.xq, q.dx, q.xs))
 
 
@@ -908,8 +963,7 @@ def quantize_q8(x, rt=None):
     try:
         with _Scope(rt) as s:
             launch_quantize_q8(rt, s.up(x), q, rows, K)
-            rt.synchronize()
-            return (rt.download(q.xq, (rows, K), np.int8), rt.download(q.dx, (rows, K // 32), F32))
+            return q.get(rt, rows, K)
     finally:
         q.free()
 

@@ -56,6 +56,21 @@ def q8_width(cfg, quantised_products: bool) -> int:
                c.expert_ff * max(c.n_expert_shared, 1), c.n_expert_used * c.expert_ff)
 
 
+def shared_q8_inputs(cfg, quantised_products: bool) -> dict[str, int]:
+    """Activations that several quantised products read, with their widths: each keeps its own
+    int8 rows, written by the norm that makes it (ds4_rmsnorm_q8), so it is quantised once."""
+    if not quantised_products:
+        return {}
+    return {"a": cfg.n_embd, "qr": cfg.q_lora_rank, "xn": cfg.n_embd}
+
+
+def _q8_sizes(prefix: str, width: int) -> dict[str, int]:
+    """int32/float32 elements per lane of ops.Q8Rows for rows `width` wide: int8 codes, f32 block
+    scales, int16 half sums."""
+    w = -(-width // 32) * 32
+    return {f"{prefix}_codes": max(w // 4, 1), f"{prefix}_scales": max(w // 32, 1), f"{prefix}_sums": max(w // 32, 1)}
+
+
 def workspace_sizes(cfg, max_rows: int, maxp: int, page_tokens: int,
                     quantised_products: bool = False) -> dict[str, int]:
     """int32/float32 elements per lane of every workspace buffer of a max_rows-lane pass at this
@@ -89,9 +104,11 @@ def workspace_sizes(cfg, max_rows: int, maxp: int, page_tokens: int,
     f32["ksplit"] = -(-ksf // L)
     f32["at_m"] = f32["at_den"] = c.n_head * at_nz
     f32["at_acc"] = c.n_head * at_nz * D
-    # quantised activations (ops.Q8Rows): int8 codes, f32 block scales, int16 half sums
-    q8 = -(-q8_width(c, quantised_products) // 32) * 32
-    f32.update(q8_codes=max(q8 // 4, 1), q8_scales=max(q8 // 32, 1), q8_sums=max(q8 // 32, 1))
+    # quantised activations (ops.Q8Rows): the scratch any product quantises into, and the rows of
+    # the activations several products share
+    f32.update(_q8_sizes("q8", q8_width(c, quantised_products)))
+    for name, width in shared_q8_inputs(c, quantised_products).items():
+        f32.update(_q8_sizes(f"{name}_q8", width))
     return {**f32, **i32}
 
 

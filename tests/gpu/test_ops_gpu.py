@@ -486,6 +486,46 @@ def test_quantize_q8(rt, seed, rows, kb, scale, special):
 
 
 @SETTINGS
+@given(seed=seeds, rows=wide_lanes, D=st.sampled_from([64, 512, 1024, 4096]), weighted=st.booleans(),
+       scale=st.sampled_from([1e-30, 1.0, 1e30]))
+def test_rmsnorm_q8(rt, seed, rows, D, weighted, scale):
+    """The norm that quantises its output: the norm's bits and quantize_q8's codes of them."""
+    from ds4ref.reference import canon
+    x = rnd(seed, rows, D, scale=scale)
+    w = rnd(seed + 1, D) if weighted else None
+    y, xq, dx = g.rmsnorm_q8(x, w, 1e-6, rt=rt)
+    want = ref.rmsnorm(x, w, 1e-6) if weighted else ref.rms0(x, 1e-6)
+    want_q, want_d = canon.quantize_q8(want)
+    assert same_bits(y, want) and np.array_equal(xq, want_q) and same_bits(dx, want_d)
+
+
+@SETTINGS
+@given(seed=seeds, rows=st.integers(1, 96), kb=st.integers(1, 80), clamp=st.sampled_from([1.0, 10.0, 1e30]),
+       special=st.sampled_from(["none", "zero", "nan"]))
+def test_swiglu_act_q8(rt, seed, rows, kb, clamp, special):
+    """The SwiGLU activation that quantises h for the down product: the activation's bits
+    (canon.swiglu's, as test_swiglu checks end to end) and quantize_q8's codes of them."""
+    from ds4ref.reference import canon
+    gate, up = rnd(seed, rows, 32 * kb, scale=4.0), rnd(seed + 1, rows, 32 * kb, scale=4.0)
+    if special == "zero":
+        gate[0, :32] = 0.0
+    elif special == "nan":  # NaN passes the clamps, as in NumPy
+        up[-1, -1] = gate[0, 0] = np.nan
+    h, xq, dx = g.swiglu_act_q8(gate, up, clamp, rt=rt)
+    want = gate.copy()
+    canon._swiglu_act(want, up.copy(), F32(clamp))
+    want_q, want_d = canon.quantize_q8(want)
+    # IEEE-754 leaves the payload of a NaN that arithmetic makes to the hardware (x86 passes an
+    # operand's on, NVIDIA returns its canonical NaN): where h is NaN the test asks for NaN;
+    # every other value, and every code and scale (a NaN block's scale is the written constant),
+    # bit for bit
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(h), nan)
+    assert same_bits(np.where(nan, F32(0), h), np.where(nan, F32(0), want))
+    assert np.array_equal(xq, want_q) and same_bits(dx, want_d)
+
+
+@SETTINGS
 @given(seed=seeds, L=wide_lanes, n=st.integers(1, 300), kb=st.integers(1, 200),
        wtype=st.sampled_from(g.QUANT_WTYPES))
 def test_qmatvec(rt, seed, L, n, kb, wtype):

@@ -19,12 +19,37 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
     int n = blockIdx.x;
     int mixn = 2 * hc + hc * hc;
     const float* f = streams + (long long)n * hc * d;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
-    ss = ds4_block_sum(ss, scratch);
+    float ss = ds4_block_sum(ds4_strided_sumsq(f, hc * d), scratch);
     float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
     float eps32 = hc_eps;
     const float* mr = mix_raw + (long long)n * mixn;
+    if (threadIdx.x < hc) {
+        int k = threadIdx.x;
+        pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+        post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
+    }
+    __syncthreads();
+    // warp 0 forms comb while the other warps form u = sum_k pre_k * streams[k] (in k order)
+    if (threadIdx.x >= DS4_WARP) {
+        int t = threadIdx.x - DS4_WARP, nt = blockDim.x - DS4_WARP;
+        for (int e0 = t; e0 < d; e0 += 4 * nt) {
+            float v[4][HC_MAX];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)  // every load of four columns in flight before the sums
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k)
+                    v[q][k] = k < hc && e0 + q * nt < d ? f[(long long)k * d + e0 + q * nt] : 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                int e = e0 + q * nt;
+                if (e >= d) break;
+                float acc = 0.0f;
+                for (int k = 0; k < hc; ++k) acc += pre_s[k] * v[q][k];
+                u[(long long)n * d + e] = acc;
+            }
+        }
+        return;
+    }
     if (hc * hc <= DS4_WARP) {
         // Warp 0, one comb entry (i, j) per lane k = i*hc + j. Every sum runs over the
         // same terms in the same order as the serial version below (each lane of a row
@@ -35,10 +60,6 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
             int k = threadIdx.x;
             int hh = hc * hc;
             int i = k < hh ? k / hc : 0, j = k < hh ? k % hc : 0;
-            if (k < hc) {
-                pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
-                post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
-            }
             float v = k < hh ? (mr[2 * hc + k] * r) * scale[2] + base[2 * hc + k] : 0.0f;
             float mx = -DS4_INF;
             for (int jj = 0; jj < hc; ++jj) mx = fmaxf(mx, DS4_SHFL(v, i * hc + jj));
@@ -59,10 +80,6 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
             if (k < hh) comb[(long long)n * hh + k] = v;
         }
     } else if (threadIdx.x == 0) {
-        for (int k = 0; k < hc; ++k) {
-            pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
-            post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
-        }
         float c[HC_MAX * HC_MAX];
         for (int i = 0; i < hc; ++i) {  // softmax over j for each i
             float mx = -DS4_INF;
@@ -92,12 +109,6 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
             }
         }
         for (int t = 0; t < hc * hc; ++t) comb[(long long)n * hc * hc + t] = c[t];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < d; e += blockDim.x) {
-        float acc = 0.0f;
-        for (int k = 0; k < hc; ++k) acc += pre_s[k] * f[(long long)k * d + e];
-        u[(long long)n * d + e] = acc;
     }
 }
 

@@ -1,6 +1,7 @@
 // MoE pieces: router (sqrt-softplus scores, bias for selection only, or hash ids),
 // clamped SwiGLU activation, and argmax over logits.
 #include "ds4_hip.h"
+#include "ds4_q8.h"
 
 #define RT_MAXE 1024
 #define RT_MAXK 32
@@ -58,13 +59,34 @@ extern "C" __global__ void ds4_route(const float* __restrict__ logits, const flo
 }
 
 // h = silu(min(g, clamp)) * clip(u, -clamp, clamp), elementwise over n values.
+// min(g, clamp) and clip(u, +-clamp) as NumPy's: a NaN stays NaN (fminf would return the clamp)
+__device__ __forceinline__ float swiglu_act(float g, float u, float clamp) {
+    float gv = !(g < clamp) && g == g ? clamp : g;
+    float uv = !(u > -clamp) && u == u ? -clamp : u;
+    uv = !(uv < clamp) && uv == uv ? clamp : uv;
+    return (gv * ds4_sigmoid(gv)) * uv;
+}
+
 extern "C" __global__ void ds4_swiglu_act(const float* __restrict__ g, const float* __restrict__ u,
                                           float* __restrict__ h, long long n, float clamp) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float gv = fminf(g[i], clamp);
-    float uv = fminf(fmaxf(u[i], -clamp), clamp);
-    h[i] = (gv * ds4_sigmoid(gv)) * uv;
+    h[i] = swiglu_act(g[i], u[i], clamp);
+}
+
+// ds4_swiglu_act whose h feeds a quantised down product: h and its int8 rows (ds4_q8.h), one
+// thread per value and one warp per 32-value block of the flat h (rows are a multiple of 32
+// wide, so block b of the flat array is block b of the row-major quantised rows).
+extern "C" __global__ void ds4_swiglu_act_q8(const float* __restrict__ g, const float* __restrict__ u,
+                                             float* __restrict__ h, long long n_blocks, float clamp,
+                                             ds4_i8* __restrict__ xq, float* __restrict__ dx,
+                                             short* __restrict__ xs) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_blocks * QB) return;  // a warp's lanes leave together
+    float v = swiglu_act(g[e], u[e], clamp);
+    h[e] = v;
+    long long b = e / QB;
+    ds4_q8_warp(v, xq + b * QB, dx + b, xs + 2 * b);
 }
 
 // Index of the largest value per row (lower index wins ties), one block per row.

@@ -16,8 +16,8 @@
 // [K/32 x 16 code bytes][K/32 E8M0 bytes], each row padded to 16 bytes. Q2_K and Q4_K
 // keep the file's super-blocks.
 #include "ds4_mv3.h"
+#include "ds4_q8.h"
 
-#define QB 32             // columns per quantised block
 #define MQ_WARPS 8
 #define MQ_SMEM 40960     // staged bytes per block: int8 codes, their scales and half sums
 #define MQ_CHUNK_UNIT 1024  // a chunk starts at a multiple of 32 blocks, so lane t keeps block b % 32 == t
@@ -34,51 +34,15 @@ __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
 #endif
 }
 
-// Rows x (rows, ldx floats apart), K columns each: xq (rows, K) int8, dx (rows, K/32), and the
-// sums of the codes of each 16-column half, xs (rows, K/16) (the K-quants' min terms need them).
-// One thread per (row, block). A block holding inf or NaN gets dx = NaN and zero codes, so the
-// NaN reaches every product of that row; a block whose dx is 0 (all zeros, or amax / 127
-// underflowing) gets zero codes.
+// Rows x (rows, ldx floats apart), K columns each: xq (rows, K) int8, dx (rows, K/32) and the
+// half sums xs (rows, K/16), one thread per element and one warp per block (ds4_q8.h).
 extern "C" __global__ void ds4_quantize_q8(const float* __restrict__ x, long long ldx, int K, int rows,
                                            ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    int nb = K / QB;
-    if (idx >= (long long)rows * nb) return;
-    long long r = idx / nb;
-    int b = (int)(idx % nb);
-    const float* p = x + r * ldx + (long long)b * QB;
-    float v[QB];
-    float amax = 0.0f;
-    bool bad = false;
-#pragma unroll
-    for (int i = 0; i < QB; ++i) {
-        v[i] = p[i];
-        float a = fabsf(v[i]);
-        bad = bad || !(a <= 3.402823466e38f);
-        amax = a > amax ? a : amax;
-    }
-    float d = bad ? DS4_NAN : amax == 0.0f ? 0.0f : amax / 127.0f;
-    bool zero = bad || d == 0.0f;  // d is 0 also where amax / 127 underflows
-    ds4_u32 w[QB / 4];
-    int half[2] = {0, 0};
-#pragma unroll
-    for (int k = 0; k < QB / 4; ++k) {
-        ds4_u32 word = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int q = zero ? 0 : __float2int_rn(v[4 * k + e] / d);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            half[k / 4] += q;
-            word |= ((ds4_u32)q & 0xffu) << (8 * e);
-        }
-        w[k] = word;
-    }
-    uint4* out = (uint4*)(xq + r * K + (long long)b * QB);
-    out[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    out[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    dx[r * nb + b] = d;
-    xs[r * (K / 16) + 2 * b] = (short)half[0];
-    xs[r * (K / 16) + 2 * b + 1] = (short)half[1];
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)rows * K) return;  // K % 32 == 0: a warp's lanes leave together
+    long long r = e / K;
+    int c = (int)(e % K), b = c / QB;
+    ds4_q8_warp(x[r * ldx + c], xq + r * K + (long long)b * QB, dx + r * (K / QB) + b, xs + r * (K / 16) + 2 * b);
 }
 
 // One weight block as the uniform codes: 32 int8 codes in 8 words, the integer multipliers
@@ -92,10 +56,41 @@ struct QBlock {
 template <int WT>
 struct QHasMin { static const bool value = WT == WT_Q2_K || WT == WT_Q4_K; };
 
+// IQ2_XXS's grid and sign patterns as packed int8 words, built in shared memory once per
+// block: a group of 8 codes is then two table reads and four word operations instead of
+// unpacking 16 bits of grid and 8 sign bits element by element (the unpacking cost more
+// than the weight reads). vals[i]: the 8 magnitudes of grid row i (8, 25 or 43), one byte
+// each; signs[s]: 0xff in byte e where ggml's ksigns_iq2xs[s] negates element e (bit 7 makes
+// the parity even). A byte g of vals is negated as (g ^ 0xff) + 1, which cannot carry out
+// of its byte for g in 1..127, so (v ^ m) + (m & 0x01010101) applies a word's signs exactly.
+struct Iq2Tables {
+    uint2 vals[256];
+    uint2 signs[128];
+};
+
+__device__ __forceinline__ void iq2_tables_fill(Iq2Tables* t) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        ds4_u32 grid = DS4_IQ2XXS_GRID[i], word[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            ds4_u32 c = (grid >> (2 * e)) & 3u;
+            word[e / 4] |= (c == 0u ? 8u : c == 1u ? 25u : c == 2u ? 43u : 0u) << (8 * (e % 4));  // no row holds code 3
+        }
+        t->vals[i] = make_uint2(word[0], word[1]);
+    }
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+        ds4_u32 sg = (ds4_u32)i | ((ds4_u32)(__popc(i) & 1) << 7), m[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if ((sg >> e) & 1u) m[e / 4] |= 0xffu << (8 * (e % 4));
+        t->signs[i] = make_uint2(m[0], m[1]);
+    }
+}
+
 // Block b (columns 32b .. 32b+31) of the row at rp (K columns), decoded to QBlock.
 template <int WT>
 __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, int b, QBlock& q,
-                                        const ds4_u16* iq2_grid) {
+                                        const Iq2Tables* iq2) {
     if (WT == WT_Q8_0) {
         const uint4* p = (const uint4*)(rp + (long long)b * 32);
         uint4 a = p[0], c = p[1];
@@ -129,19 +124,10 @@ __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, in
         q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            ds4_u32 grid = iq2_grid[(aux0 >> (8 * l)) & 0xffu];
-            ds4_u32 sg = (aux1 >> (7 * l)) & 127u;
-            sg |= (ds4_u32)(__popc(sg) & 1) << 7;  // ggml's ksigns: the eighth sign makes the parity even
-            ds4_u32 word[2] = {0, 0};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                ds4_u32 c = (grid >> (2 * e)) & 3u;
-                int mag = c == 0u ? 8 : c == 1u ? 25 : c == 2u ? 43 : 0;
-                int v = (sg >> e) & 1u ? -mag : mag;
-                word[e / 4] |= ((ds4_u32)v & 0xffu) << (8 * (e % 4));
-            }
-            q.c[2 * l] = (int)word[0];
-            q.c[2 * l + 1] = (int)word[1];
+            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
+            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
+            q.c[2 * l] = (int)((v.x ^ m.x) + (m.x & 0x01010101u));
+            q.c[2 * l + 1] = (int)((v.y ^ m.y) + (m.y & 0x01010101u));
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
@@ -188,9 +174,8 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                                         const short* __restrict__ xs, const long long* xoff, const long long* doff,
                                         const long long* soff, const long long* ybase, float* __restrict__ y,
                                         ds4_u8* smem, int rblk) {
-    __shared__ ds4_u16 iq2_grid[WT == WT_IQ2_XXS ? 256 : 1];
-    if (WT == WT_IQ2_XXS)  // visible after the chunk loop's first barrier
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) iq2_grid[i] = DS4_IQ2XXS_GRID[i];
+    __shared__ Iq2Tables iq2[1];  // unused (and dropped) for the other types
+    if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);  // visible after the chunk loop's first barrier
     const bool has_min = QHasMin<WT>::value;
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int row0 = rblk * (MQ_WARPS * R) + warp * R;
@@ -234,7 +219,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
             int b = c0 / QB + lb;
             QBlock w[R];
 #pragma unroll
-            for (int i = 0; i < R; ++i) qb_load<WT>(rowp[i], K, b, w[i], iq2_grid);
+            for (int i = 0; i < R; ++i) qb_load<WT>(rowp[i], K, b, w[i], iq2);
 #pragma unroll
             for (int a = 0; a < MV_LANES; ++a) {
                 if (a >= na) break;

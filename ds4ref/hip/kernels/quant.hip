@@ -27,7 +27,9 @@ extern "C" __global__ void ds4_fp8sim(const float* __restrict__ v, float* __rest
 }
 
 // r[row, j] = sum_i v[row, i] * h[j, i], summed in index order (one thread per output).
-extern "C" __global__ void ds4_hadamard_rows(const float* __restrict__ v, const float* __restrict__ h,
+// ht is h transposed (ht[i, j] = h[j, i]): consecutive threads (consecutive j) then read
+// consecutive words of the table at every step, where h's rows would put each on its own line.
+extern "C" __global__ void ds4_hadamard_rows(const float* __restrict__ v, const float* __restrict__ ht,
                                              float* __restrict__ r, int R, int n, const int* lane_slot,
                                              int rows_per_lane) {
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -35,9 +37,8 @@ extern "C" __global__ void ds4_hadamard_rows(const float* __restrict__ v, const 
     int row = (int)(idx / n), j = (int)(idx % n);
     if (lane_slot && lane_slot[row / rows_per_lane] < 0) return;  // a padding lane's rows
     const float* vr = v + (long long)row * n;
-    const float* hr = h + (long long)j * n;
     float acc = 0.0f;
-    for (int i = 0; i < n; ++i) acc += vr[i] * hr[i];
+    for (int i = 0; i < n; ++i) acc += vr[i] * ht[(long long)i * n + j];
     r[idx] = acc;
 }
 

@@ -195,9 +195,7 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
     int l = blockIdx.x;
     if (from[l] < 0) return;
     const float* f = streams + (long long)l * hc * d;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < hc * d; i += blockDim.x) { float v = f[i]; ss += v * v; }
-    ss = ds4_block_sum(ss, scratch);
+    float ss = ds4_block_sum(ds4_strided_sumsq(f, hc * d), scratch);
     if (threadIdx.x < hc) {
         float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
         float m = mix[(long long)l * hc + threadIdx.x] * r;
