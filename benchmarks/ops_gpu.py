@@ -176,7 +176,7 @@ def bench_experts(b, L):
         touched = len(np.unique(ids[:L]))
         for r in EXPERT_RPWS:
             def run(r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb):
-                rt.launch(ko("step_expert_list"), (1,), (256,), (idb, slb, I32(kk), I32(E), elist))
+                rt.launch(ko("step_expert_list"), (1,), (256,), (idb, slb, I32(16), I32(kk), I32(E), elist))
                 g.launch_routed_experts(rt, wb, "bf16", r, x, pc, elist, y, N, K, kk)
             b.add(f"{name} [v3 r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N), [run],
                   f"{touched} experts touched")
@@ -203,7 +203,7 @@ def bench_small(b, L):
 
     def hc_pre(fw):
         g.launch_matvec(rt, fw, st, mix, L, part=part)
-        rt.launch(k_fin, (L,), (256,), (st, mix, base, scale, I32(hc), I32(d), F32(1e-6), np.float64(1e-6),
+        rt.launch(k_fin, (L,), (256,), (st, mix, base, scale, I32(hc), I32(d), F32(1e-6), F32(1e-6),
                                         I32(20), u, post, comb))
     b.add("hc_pre (K-split proj + sinkhorn) hc=4", L, fbytes + 4 * L * (2 * hc * d + d),
           [lambda fw=fw: hc_pre(fw) for fw in fws])
