@@ -80,7 +80,7 @@ def test_compile_logs_leave_python_bytes_alone():
     from ds4ref.hip.runtime import CudaRuntime
     rt = object.__new__(CudaRuntime)  # only the compile-log path, which needs no driver
     rt.nvrtc = nvrtc
-    prog = nvrtc.nvrtcCreateProgram(load_source("rope.hip").encode(), b"rope.hip", 0, [], [])[1]
+    prog = nvrtc.nvrtcCreateProgram(load_source("norm.hip").encode(), b"norm.hip", 0, [], [])[1]
     try:
         opts = [b"--gpu-architecture=sm_90"]
         assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS

@@ -1,8 +1,8 @@
 """One small GPU runtime interface with two adapters.
 
     rt = get_runtime()                      # HIP (ROCm) first, then CUDA; or DS4REF_GPU_RUNTIME
-    mod = rt.compile(load_source("matvec.hip"), "matvec.hip")
-    k = mod.kernel("ds4_matvec_bf16")
+    mod = rt.compile(load_source("norm.hip"), "norm.hip")
+    k = mod.kernel("ds4_rmsnorm")
     buf = rt.malloc(n); rt.h2d(buf, array); rt.launch(k, grid, block, (buf, np.int32(3)), shared=0)
     rt.d2h(array, buf); rt.synchronize()
 
