@@ -400,21 +400,22 @@ MATVEC_SHAPES = [("matvec bf16 4096x4096", 4096, 4096, "bf16"),
                  ("router f16 256x4096", 256, 4096, "f16"),
                  ("shexp gate q8_0 2048x4096", 2048, 4096, "q8_0"),
                  ("output q8_0 129280x4096", 129280, 4096, "q8_0")]
-RPWS = (None, "1", "2", "4")  # None: the shipped policy; else DS4REF_MATVEC_RPW forced
+RPWS = (None, 1, 2, 4)  # None: the shipped policy; else the rows per warp forced
 
 
 def perf_matvec(b, L):
-    import os
-    rt = b.rt
+    rt, policy = b.rt, g.matvec_rows_per_warp
     for name, n, k, wt in MATVEC_SHAPES:
         ws, wbytes = b.weights(n, k, wt)
         x, y = b.up(b.rnd(L, k)), b.out((L, n))
         for rpw in RPWS:
-            if rpw:
-                os.environ["DS4REF_MATVEC_RPW"] = rpw
-            b.add(f"{name} [{'r' + rpw if rpw else 'policy'}]", L, wbytes + 4 * L * (k + n),
-                  [lambda w=w: g.launch_matvec(rt, w, x, y, L) for w in ws], f"{len(ws)} weight copies")
-            os.environ.pop("DS4REF_MATVEC_RPW", None)
+            if rpw:  # as DS4REF_MATVEC_RPW would force it (launch_matvec looks the policy up per call)
+                g.matvec_rows_per_warp = lambda rt, rows, L=16, r=rpw: r
+            try:
+                b.add(f"{name} [{f'r{rpw}' if rpw else 'policy'}]", L, wbytes + 4 * L * (k + n),
+                      [lambda w=w: g.launch_matvec(rt, w, x, y, L) for w in ws], f"{len(ws)} weight copies")
+            finally:
+                g.matvec_rows_per_warp = policy
 
 
 def perf_grouped(b, L):
