@@ -1,5 +1,6 @@
 """HipBackend's host side without a GPU: the whole pass is recorded on a runtime that only
-counts buffers and launches, so a Python error in building the program, a kernel argument
+counts buffers and launches (each checked against the kernel's parameters, parsed from its
+source, as the real runtime does), so a Python error in building the program, a kernel argument
 list that does not match its kernel, or a state sized wrong fails here, in CI, instead of
 on the lent GPU. (The kernels themselves are compiled by test_kernels_compile.py and run
 bit for bit against the reference by tests/gpu/.)"""
@@ -16,18 +17,18 @@ from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_state import DeviceState
 from ds4ref.paging.compact import index_row_bytes as compact_index_bytes, kv_row_bytes as compact_kv_bytes
 from ds4ref.hip.device_weights import DeviceWeights
-from ds4ref.hip.runtime import KERNEL_DIR
+from ds4ref.hip.runtime import DeviceBuffer, Kernel, launch_handle
+from ds4ref.hip.signatures import KernelArgumentError, file_signatures
 from ds4ref.reference.layers import Tables
 from ds4ref.reference.state import ATTN, INDEX
 from ds4ref.tiny import POLICY_DIMS, tiny_config
 
 
-class Buf:
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
+class Buf(DeviceBuffer):
+    """A buffer of nbytes at no address (a launch may pass it where a pointer goes)."""
 
-    def free(self) -> None:
-        pass
+    def __init__(self, nbytes: int):
+        super().__init__(None, 0, nbytes)
 
 
 class RecordingRuntime:
@@ -39,7 +40,8 @@ class RecordingRuntime:
         self.allocated, self.launches = 0, []
 
     def compile_file(self, filename, options=()):
-        return types.SimpleNamespace(kernel=lambda name, f=filename: (f, name))
+        sigs = file_signatures(filename)
+        return types.SimpleNamespace(kernel=lambda name, f=filename: Kernel((f, name), name, sigs[name]))
 
     def upload(self, arr):
         return self.malloc(np.asarray(arr).nbytes)
@@ -49,7 +51,7 @@ class RecordingRuntime:
         return Buf(n)
 
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
-        self.launches.append((kernel, args))
+        self.launches.append((launch_handle(kernel, args), args))
 
     def memset32(self, buf, value, n):
         assert 4 * n <= buf.nbytes, "memset past the end of a buffer"
@@ -93,17 +95,6 @@ def rt(monkeypatch):
     return RecordingRuntime()
 
 
-def kernel_params() -> dict[str, int]:
-    """Parameter count of every extern "C" kernel in the kernel sources."""
-    out = {}
-    for f in KERNEL_DIR.glob("*.hip"):
-        text = f.read_text()
-        for m in re.finditer(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s*(\w+)\(([^)]*)\)', text):
-            if not m.group(1).startswith("__"):  # a macro-made kernel: its name is a macro argument
-                out[m.group(1)] = len([p for p in m.group(2).split(",") if p.strip()])
-    return out
-
-
 @pytest.mark.parametrize("numerics,weights", [("official", "bf16"), ("plain", "bf16"), ("official", "q2"),
                                                ("plain", "q2")])
 def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
@@ -116,42 +107,40 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
-    params = kernel_params()
     assert sorted(backend.programs) == [16, 256] and backend.max_rows == 256
     for L, program in backend.programs.items():
         ops = program.ops
         assert len(ops) > 10 * cfg.n_layer
-        checked = set()
-        for (filename, name), _grid, _block, args, _shared in ops:
-            if name in params:  # kernels made from templates by macro are checked by their callers' twins
-                assert len(args) == params[name], f"{L} lanes, {name}: {len(args)} arguments, the kernel takes {params[name]}"
-                checked.add(name)
+        for kernel, _grid, _block, args, _shared in ops:  # the Recorder checked them; again, to be sure
+            kernel.signature.check(args)
+        names = {kernel.name for kernel, *_ in ops}
         assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
-                "step_gather_rows", "ds4_rmsnorm"} <= checked and len(checked) >= 15
+                "step_gather_rows", "ds4_rmsnorm"} <= names and len(names) >= 15
     # one pass, two capacities: the same kernels in the same order (rows per warp aside), per-lane
     # grids scaled
     small, big = backend.programs[16].ops, backend.programs[256].ops
-    family = lambda ops: [(f, re.sub(r"_r\d", "", name)) for (f, name), *_ in ops]  # noqa: E731
+    family = lambda ops: [(k.handle[0], re.sub(r"_r\d", "", k.name)) for k, *_ in ops]  # noqa: E731
     assert family(small) == family(big)
-    embed = [i for i, op in enumerate(small) if op[0][1] == "step_embed"][0]
+    embed = [i for i, op in enumerate(small) if op[0].name == "step_embed"][0]
     assert small[embed][1] == (16,) and big[embed][1] == (256,)
     assert backend.compact == (numerics == "official")
-    quantised = [name for (_f, name), *_ in small if name.startswith(("ds4_qmatvec", "ds4_qexperts"))]
+    quantised = [k.name for k, *_ in small if k.name.startswith(("ds4_qmatvec", "ds4_qexperts"))]
     # int8 rows come from the quantiser, or from the norm / activation that produced the input
     # (the argument position of their codes buffer)
     producers = {"ds4_quantize_q8": 4, "ds4_rmsnorm_q8": 6, "ds4_swiglu_act_q8": 5}
-    quantise = [op for op in small if op[0][1] in producers]
+    quantise = [op for op in small if op[0].name in producers]
     if weights == "q2" and numerics == "official":
         # every quantised product reads int8 rows some earlier launch of the pass wrote
         written: set[int] = set()
-        for (_f, name), _grid, _block, args, _shared in small:
+        for k, _grid, _block, args, _shared in small:
+            name = k.name
             if name in producers:
                 written.add(id(args[producers[name]]))
             elif name.startswith(("ds4_qmatvec", "ds4_qexperts")):
                 assert id(args[2]) in written, f"{name} reads int8 rows nothing wrote before it"
         # activations that several products read are quantised once, by their producer
         assert quantised and len(quantise) < len(quantised)
-        assert sum(op[0][1] == "ds4_quantize_q8" for op in quantise) < len(quantise)
+        assert sum(op[0].name == "ds4_quantize_q8" for op in quantise) < len(quantise)
         assert all(t.packed for n, t in dw.mats.items() if t.wtype in K.QUANT_WTYPES and n != "token_embd.weight")
     else:
         assert not quantised and not quantise
@@ -196,10 +185,10 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
         return res, rt.launches[before:]
 
     res, ran = step([Row(0, 0, 5)])
-    assert [k for k, _ in ran] == [op[0] for op in backend.programs[16].ops]
+    assert [k for k, _ in ran] == [op[0].handle for op in backend.programs[16].ops]
     prompt = [Row(1, p, 7, False, p == 199) for p in range(200)]
     res, ran = step([Row(0, pos[0], 3, False)] + prompt + [Row(2, p, 9, p == 39, p == 39) for p in range(40)])
-    assert [k for k, _ in ran] == [op[0] for op in backend.programs[256].ops]
+    assert [k for k, _ in ran] == [op[0].handle for op in backend.programs[256].ops]
     assert res.argmax[[0, 200, 240]].tolist() == [0, 1, 2]  # head row e holds the e-th emitting lane
     assert (res.argmax[1:200] == -1).all() and res.logits[-1] is not None and res.logits[0] is None
     step([Row(s, pos[s], 1) for s in range(3)])

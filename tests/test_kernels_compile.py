@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+import re
+
+import numpy as np
+
 from ds4ref.hip.runtime import KERNEL_DIR, NVRTC_EXACT, load_source
+from ds4ref.hip.signatures import file_signatures
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
 try:
@@ -20,11 +25,18 @@ KERNEL_FILES = sorted(p.name for p in KERNEL_DIR.glob("*.hip"))
 
 
 def test_every_kernel_file_is_listed():
-    assert len(KERNEL_FILES) >= 11
+    assert len(KERNEL_FILES) >= 10
+
+
+# PTX parameter types of what a launch passes: pointers are 64-bit addresses
+PTX_TYPES = {np.int32: ("u32", "s32", "b32"), np.uint32: ("u32", "b32"), np.int64: ("u64", "s64", "b64"),
+             np.uint64: ("u64", "b64"), np.float32: ("f32",), np.float64: ("f64",)}
 
 
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_kernel_compiles_with_exact_options(name):
+    """... and the kernels NVRTC built are exactly the ones the launch check parsed from the
+    source, with the same parameters (count, width, integer or float) as the compiled entries."""
     err, prog = nvrtc.nvrtcCreateProgram(load_source(name).encode(), name.encode(), 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
     try:
@@ -34,8 +46,18 @@ def test_kernel_compiles_with_exact_options(name):
         log = bytearray(size)  # not b" " * size: CPython shares the one-byte b" ", and NVRTC writes into it
         nvrtc.nvrtcGetProgramLog(prog, log)
         assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = bytearray(size)
+        nvrtc.nvrtcGetPTX(prog, ptx)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    entries = {m.group(1): re.findall(r"\.param \.(\w+) ", m.group(2))
+               for m in re.finditer(r"\.entry (\w+)\(([^)]*)\)", ptx.decode(errors="replace"))}
+    sigs = file_signatures(name)
+    assert sorted(entries) == sorted(sigs)
+    for kernel, types in entries.items():
+        want = [("u64", "b64") if p.pointer else PTX_TYPES[p.scalar] for p in sigs[kernel].params]
+        assert len(types) == len(want) and all(t in w for t, w in zip(types, want)), (kernel, types, want)
 
 
 def test_iq2xxs_grid_header_is_gguf_pys():
@@ -58,7 +80,7 @@ def test_compile_logs_leave_python_bytes_alone():
     from ds4ref.hip.runtime import CudaRuntime
     rt = object.__new__(CudaRuntime)  # only the compile-log path, which needs no driver
     rt.nvrtc = nvrtc
-    prog = nvrtc.nvrtcCreateProgram(load_source("rope.hip").encode(), b"rope.hip", 0, [], [])[1]
+    prog = nvrtc.nvrtcCreateProgram(load_source("norm.hip").encode(), b"norm.hip", 0, [], [])[1]
     try:
         opts = [b"--gpu-architecture=sm_90"]
         assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS

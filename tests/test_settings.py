@@ -35,4 +35,4 @@ def test_the_table_prints_without_the_api_key(monkeypatch, capsys):
     monkeypatch.setenv("DS4REF_API_KEY", "sk-do-not-print")
     settings.main()
     out = capsys.readouterr().out
-    assert "DS4REF_KERNELS" in out and "sk-do-not-print" not in out
+    assert "DS4REF_MATVEC_RPW" in out and "sk-do-not-print" not in out

@@ -40,6 +40,7 @@ from . import ops as K
 from .device_state import DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
+from .signatures import check_launch
 from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
                         shared_q8_inputs, workspace_sizes)
 
@@ -62,6 +63,7 @@ class Recorder:
         self.rt, self.ops, self.info, self.L = rt, [], rt.info, L
 
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
+        check_launch(kernel, args)  # at record time: a pass with a bad argument list fails when built
         self.ops.append((kernel, tuple(grid), tuple(block), tuple(args), shared))
 
     def compile_file(self, filename, options=()):

@@ -23,19 +23,14 @@ from .runtime import DeviceBuffer, Runtime, get_runtime
 I32, F32, F64 = np.int32, np.float32, np.float64
 NAN_BITS = 0x7FC00000
 MAX_LANES = 16
-# v3 (default): matvec v3 (swizzled staging, rows per warp, active lanes only, K-split
-# for few-row matrices); attention as v2.
-# v2: matvec with wide staging and batched loads, key-split attention.
-# v1: the first, simplest versions, kept as the known-good fallback.
-KERNELS = getenv("DS4REF_KERNELS")
 WTYPES = ("f32", "f16", "bf16", "q8_0", "q2_k", "q4_k", "iq2_xxs", "mxfp4")
 # GGUF block quants the kernels dequantise in registers: (bytes, weights) per block
 BLOCK_QUANTS = {"q8_0": (34, 32), "q2_k": (84, 256), "q4_k": (144, 256), "iq2_xxs": (66, 256), "mxfp4": (17, 32)}
-K_QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")  # v3 kernels only, rows per warp 1 or 2
+K_QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")  # rows per warp 1 or 2
 _SOURCES = {
-    "norm": "norm.hip", "rope": "rope.hip", "quant": "quant.hip", "matvec": "matvec.hip",
-    "attention": "attention.hip", "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
-    "hc": "hc.hip", "qdot": "qdot.hip",
+    "norm": "norm.hip", "quant": "quant.hip", "matvec": "matvec.hip",
+    "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
+    "hc": "hc.hip", "qdot": "qdot.hip", "step_ops": "step_ops.hip", "step_state": "step_state.hip",
 }
 
 
@@ -225,21 +220,21 @@ def rms0(x, eps, rt=None):
     return rmsnorm(x, None, eps, rt)
 
 
-def rope(v, cos, sin, inverse=False, rt=None):
+def rope_pos(v, cs, pos, inverse=False, rt=None):
+    """The backend's RoPE (step_rope_pos): v (L, R, D) rows of L lanes, each lane at position
+    pos[l], cos/sin read from the host's table cs (P, half, 2) (canon.rope_cos_sin stacked).
+    Twin of ref.rope(v, cos[pos][:, None], sin[pos][:, None], inverse)."""
     rt = _rt(rt)
-    v = _f32(v)
-    half = cos.shape[-1]
-    D = v.shape[-1]
+    v, cs = _f32(v), _f32(cs)
+    L, R, D = v.shape
+    half = cs.shape[1]
     _need(2 * half <= D, f"rope: {2 * half} rotated dims exceed the row length {D}")
-    tbl = v.shape[:-1] + (half,)
-    c = np.ascontiguousarray(np.broadcast_to(_f32(cos), tbl))
-    sn = np.ascontiguousarray(np.broadcast_to(_f32(sin), tbl))
-    R = v.size // D
     with _Scope(rt) as s:
-        out = s.out(v.shape)
-        rt.launch(kernel(rt, "rope", "ds4_rope"), (_blocks(R * D, 256),), (256,),
-                  (s.up(v), s.up(c), s.up(sn), out, I32(R), I32(D), I32(half), I32(1 if inverse else 0)))
-        return s.get(out, v.shape)
+        vb = s.up(v)  # in place
+        rt.launch(kernel(rt, "step_ops", "step_rope_pos"), (_blocks(L * R * half, 256),), (256,),
+                  (vb, s.up(np.asarray(pos, I32)), s.up(cs), I32(L), I32(R), I32(D), I32(half),
+                   I32(1 if inverse else 0)))
+        return s.get(vb, v.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -321,50 +316,34 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
                   lane_slot: DeviceBuffer | None = None, part: DeviceBuffer | None = None) -> None:
     """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L, N = rows / groups.
 
-    v1/v2 take L <= 16; v3 any L, in lane groups of 16 (a prompt pass). v3 only:
-    `lane_slot` (int32[L] slot ids, -1 = padding after the rows) limits the work to lanes
-    up to the last one with a slot (later lanes' y is left as it was); `part` is scratch
-    for the fixed K-split of few-row matrices (matvec_ksplit); without it they run unsplit."""
-    _need(1 <= L and (KERNELS == "v3" or L <= MAX_LANES),
-          f"matvec: {L} lanes, the {KERNELS} kernel takes 1..{MAX_LANES}")
+    Any L, in lane groups of 16 (a prompt pass). `lane_slot` (int32[L] slot ids, -1 =
+    padding after the rows) limits the work to lanes up to the last one with a slot (later
+    lanes' y is left as it was); `part` is scratch for the fixed K-split of few-row matrices
+    (matvec_ksplit); without it they run unsplit."""
+    _need(1 <= L, f"matvec: {L} lanes")
     n = w.rows // groups
     ldx = ldx if ldx is not None else w.cols
     ldy = ldy if ldy is not None else w.rows
-    _need(KERNELS == "v3" or w.wtype not in K_QUANTS, f"matvec: {w.wtype} weights need the v3 kernels")
-    if KERNELS == "v3":
-        nlg = lane_groups(L)
-        ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
-        if ks and part is not None:
-            nsplit = -(-w.cols // ks)
-            _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
-            rpw = 1
-            rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"),
-                      (_blocks(n, 8 * rpw), nlg, nsplit),
-                      (256,), (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
-            rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(nlg * MAX_LANES * n, 256),), (256,),
-                      (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
-            return
-        rpw = matvec_rows_per_warp(rt, n * groups, L)
-        if w.wtype in K_QUANTS:
-            rpw = min(rpw, 2)  # r1 and r2 are built for the K-quants and MXFP4
-        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups, nlg),
-                  (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
+    nlg = lane_groups(L)
+    ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
+    if ks and part is not None:
+        nsplit = -(-w.cols // ks)
+        _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
+        rpw = 1
+        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"),
+                  (_blocks(n, 8 * rpw), nlg, nsplit),
+                  (256,), (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
+        rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(nlg * MAX_LANES * n, 256),), (256,),
+                  (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
         return
-    # v1 and v2 give bitwise-identical results (tests/gpu checks it), so this choice is
-    # free to depend on the shape and even the lane count. Measured on the H200
-    # (docs/perf_ops_gpu.md): v2 wins for matrices of <= 2048 rows, v1 above.
-    if KERNELS == "v1" or n * groups > MATVEC2_MAX_ROWS:
-        rt.launch(kernel(rt, "matvec", f"ds4_matvec_{w.wtype}"), (_blocks(n, 16), groups), (256,),
-                  (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy)))
-        return
-    rpw = matvec_rows_per_warp(rt, n * groups)
-    kc = max(256, (8192 // L) // 256 * 256)  # the staged chunk: 8192 floats over L lanes
-    rt.launch(kernel(rt, "matvec", f"ds4_matvec2_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups), (256,),
-              (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), I32(kc)))
+    rpw = matvec_rows_per_warp(rt, n * groups, L)
+    if w.wtype in K_QUANTS:
+        rpw = min(rpw, 2)  # r1 and r2 are built for the K-quants and MXFP4
+    rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups, nlg),
+              (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
 
 
-MATVEC2_MAX_ROWS = 2048
-# v3 K-split: few-row, long-row matrices (hc projections 24 x 16384, router, indexer
+# K-split: few-row, long-row matrices (hc projections 24 x 16384, router, indexer
 # weights) are cut into column slices summed in order, so they occupy more blocks. The
 # rule is part of the canonical arithmetic (canon.ksplit): the reference slices the same.
 
@@ -381,8 +360,7 @@ def ksplit_floats(rows: int, cols: int, L: int = MAX_LANES) -> int:
 
 
 def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
-    """Rows per warp. v2: only r1 is chosen (r2/r4 tested but slower on the H200: 202
-    registers for r4). v3: by the matrix's row count (RPW3_POLICY: the smallest row count
+    """Rows per warp: by the matrix's row count (RPW3_POLICY: the smallest row count
     from which each R is used), and for a prompt pass (L > 16) PREFILL_RPW for every matrix;
     DS4REF_MATVEC_RPW forces one for experiments. The choice never changes a result."""
     forced = getenv("DS4REF_MATVEC_RPW")
@@ -390,15 +368,13 @@ def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
         if forced not in ("1", "2", "4"):
             raise UnsupportedShapeError(f"DS4REF_MATVEC_RPW={forced!r} is not 1, 2 or 4")
         return int(forced)
-    if KERNELS == "v3" and L > MAX_LANES:
+    if L > MAX_LANES:
         return PREFILL_RPW
-    if KERNELS == "v3":
-        r = 1
-        for rpw, min_rows in RPW3_POLICY:
-            if rows >= min_rows:
-                r = rpw
-        return r
-    return 1
+    r = 1
+    for rpw, min_rows in RPW3_POLICY:
+        if rows >= min_rows:
+            r = rpw
+    return r
 
 
 # measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
@@ -411,14 +387,13 @@ PREFILL_RPW = getenv_int("DS4REF_PREFILL_RPW")
 
 
 def ksplit_scratch(rt, dw: DeviceWeight, L: int = MAX_LANES) -> DeviceBuffer | None:
-    """A K-split scratch buffer for this weight at L lanes under v3, or None when it is not split."""
-    n = ksplit_floats(dw.rows, dw.cols, L) if KERNELS == "v3" else 0
+    """A K-split scratch buffer for this weight at L lanes, or None when it is not split."""
+    n = ksplit_floats(dw.rows, dw.cols, L)
     return rt.malloc(4 * n) if n else None
 
 
 def matvec(w, x, wtype=None, rt=None):
-    """x (L, K) or (K,) -> x @ W.T: v3 runs every lane in one launch (lane groups of 16),
-    v1/v2 in chunks of 16."""
+    """x (L, K) or (K,) -> x @ W.T, every lane in one launch (lane groups of 16)."""
     rt = _rt(rt)
     x = _f32(x)
     squeeze = x.ndim == 1
@@ -428,7 +403,7 @@ def matvec(w, x, wtype=None, rt=None):
     try:
         _need(x2.shape[1] == dw.cols, f"matvec: x has {x2.shape[1]} columns, W has {dw.cols}")
         outs = []
-        chunk = max(1, x2.shape[0]) if KERNELS == "v3" else MAX_LANES
+        chunk = max(1, x2.shape[0])
         for c0 in range(0, x2.shape[0], chunk):
             xc = x2[c0:c0 + chunk]
             with _Scope(rt) as s:
@@ -527,84 +502,86 @@ def hc_post(streams, y, post, comb, rt=None):
 
 
 # ---------------------------------------------------------------------------
-# Attention with sinks
+# Paged state: attention with sinks and indexer scores over a slot's ring and pages
 # ---------------------------------------------------------------------------
-
-AT_DMAX = 512
-
 
 AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
 AT3_SPLIT = AT_SPLIT
+ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
 
 
-def attention_scratch(rt, L, H, D, total):
-    """Partial-result buffers of the split attention: (m, den, acc) per slice."""
-    nsplit = max(1, _blocks(total, AT_SPLIT))
-    return (rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit), rt.malloc(4 * L * H * nsplit * D))
+@dataclass
+class PagedLanes:
+    """One pass over a small paged state, as the backend lays it out (device_state.py):
+    per-lane slot (-1 = padding), position, the slot's first position and lane in the pass,
+    visible compressed rows; block table (slots, maxp) of pages of `per` rows each."""
+    slot: np.ndarray
+    pos: np.ndarray
+    pstart: np.ndarray
+    flane: np.ndarray
+    nvis: np.ndarray
+    btab: np.ndarray
+    per: int
 
 
-def launch_attention(rt, q, ring, ring_mask, Wc, comp, comp_mask, Cc, sinks, out, L, H, D, scratch):
-    """Slices of AT_SPLIT key rows, then the combine. Canonical when each lane's visible
-    rows come first and in order (attention_ring_comp packs them so)."""
-    _need(D % 32 == 0 and D <= AT_DMAX, f"attention: head_dim {D} must be a multiple of 32 and <= {AT_DMAX}")
-    scale = F32(1.0 / math.sqrt(D))
-    nsplit = max(1, _blocks(Wc + Cc, AT_SPLIT))
-    pm, pd, pa = scratch
-    rt.launch(kernel(rt, "attention", "ds4_attention_split"), (_blocks(H, 8), L, nsplit), (256,),
-              (q, ring, ring_mask, I32(Wc), comp, comp_mask, I32(Cc), I32(H), I32(D), scale, I32(AT_SPLIT),
-               pm, pd, pa))
-    rt.launch(kernel(rt, "attention", "ds4_attention_combine"), (H, L), (128,),
-              (pm, pd, pa, sinks, out, I32(H), I32(D), I32(nsplit)))
+def _stored(rows, kind: int, n_rot: int) -> np.ndarray:
+    """Rows (..., D) float32 as the state stores them: float32, or the compact lossless form."""
+    from ..paging.compact import encode_index_rows, encode_kv_rows
+    rows = _f32(rows)
+    if kind == ROW_F32:
+        return rows
+    return encode_kv_rows(rows, n_rot) if kind == ROW_KV else encode_index_rows(rows)
 
 
-def _pack_visible(ring, rm, comp, cm):
-    """Each lane's visible rows (ring rows, then compressed rows, in order) at the front,
-    as the canonical attention sees them: the slices are slices of visible rows."""
-    L, _, D = ring.shape
-    lanes = [np.concatenate([ring[i][rm[i]], comp[i][cm[i]]]) for i in range(L)]
-    cap = max([k.shape[0] for k in lanes] + [0])
-    keys = np.zeros((L, cap, D), F32)
-    mask = np.zeros((L, cap), np.uint8)
-    for i, k in enumerate(lanes):
-        keys[i, :k.shape[0]] = k
-        mask[i, :k.shape[0]] = 1
-    return keys, mask
-
-
-def attention_ring_comp(q, ring, ring_mask, comp, comp_mask, sinks, rt=None):
-    """q (L, H, D); ring (L, W, D) + ring_mask (L, W); comp (L, C, D) + comp_mask (L, C); -> (L, H, D).
-
-    Same as the reference on keys = concat(ring, comp) and mask = concat(masks).
-    """
+def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks, kind=ROW_F32, n_rot=0,
+                    rt=None):
+    """The backend's attention (step_attention_split + step_attention_combine): q (L, H, D); this
+    pass's KV rows pass_kv (L, D); the window ring (slots, W, D); the compressed rows (pages,
+    per, D) or None; sel (L, ksel) the indexer's rows (ascending, -1 padded) or None = all
+    visible rows. Each lane attends to its raw positions max(0, pos-W+1)..pos (the pass's rows
+    from pstart on, the ring's before), then its compressed rows -> (L, H, D); padding lanes 0."""
     rt = _rt(rt)
-    q = _f32(q)
+    q, sinks = _f32(q), _f32(sinks)
     L, H, D = q.shape
-    ring, comp = _f32(ring).reshape(L, -1, D), _f32(comp).reshape(L, -1, D)
-    rm = np.asarray(ring_mask, dtype=bool).reshape(L, ring.shape[1])
-    cm = np.asarray(comp_mask, dtype=bool).reshape(L, comp.shape[1])
-    keys, mask = _pack_visible(ring, rm, comp, cm)
-    none = np.zeros((L, 0, D), F32)
+    ring = _f32(ring)
+    W = ring.shape[1]
+    ring_raw = _stored(ring, kind, n_rot).reshape(ring.shape[0], -1)
+    ncomp = [0 if lanes.slot[l] < 0 or store is None else
+             (min(lanes.nvis[l], ksel) if sel is not None else lanes.nvis[l]) for l in range(L)]
+    raw = [0 if lanes.slot[l] < 0 else lanes.pos[l] - max(0, lanes.pos[l] - W + 1) + 1 for l in range(L)]
+    nz = max(1, _blocks(max(r + c for r, c in zip(raw, ncomp)), AT_SPLIT))
     with _Scope(rt) as s:
-        out = s.out((L, H, D))
-        scratch = attention_scratch(rt, L, H, D, keys.shape[1])
-        s.bufs.extend(scratch)
-        launch_attention(rt, s.up(q), s.up(keys), s.up(mask), keys.shape[1], s.up(none),
-                         s.up(np.zeros((L, 0), np.uint8)), 0, s.up(_f32(sinks)), out, L, H, D, scratch)
+        st = None if store is None else s.up(_stored(store, kind, n_rot))
+        sl = None if sel is None else s.up(np.asarray(sel, I32))
+        lane = {k: s.up(np.asarray(getattr(lanes, k), I32)) for k in ("slot", "pos", "pstart", "flane", "nvis")}
+        m, den, acc, out = s.out((L, H, nz)), s.out((L, H, nz)), s.out((L, H, nz, D)), s.out((L, H, D))
+        btab = s.up(np.asarray(lanes.btab, I32))
+        rt.launch(kernel(rt, "step_state", "step_attention_split"), (_blocks(H, 8), L, nz), (256,),
+                  (s.up(q), s.up(_f32(pass_kv)), s.up(ring_raw), np.int64(ring_raw.shape[1] * ring_raw.itemsize),
+                   st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
+                   lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
+                   F32(1.0 / math.sqrt(D)), m, den, acc))
+        rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (128,),
+                  (m, den, acc, s.up(sinks), lane["slot"], lane["pos"], st, lane["nvis"], sl, I32(ksel), I32(W),
+                   I32(H), I32(D), I32(nz), out))
         return s.get(out, (L, H, D))
 
 
-def attention_with_sinks(q, keys, sinks, mask=None, rt=None):
-    """Twin of the reference: q (..., H, D), keys (..., N, D), mask (..., N) True = visible."""
-    q = _f32(q)
-    lead = q.shape[:-2]
-    H, D = q.shape[-2:]
-    keys = np.broadcast_to(_f32(keys), lead + keys.shape[-2:])
-    N = keys.shape[-2]
-    m = np.ones(lead + (N,), bool) if mask is None else np.broadcast_to(mask, lead + (N,))
-    L = int(np.prod(lead, dtype=np.int64))
-    outs = attention_ring_comp(q.reshape(L, H, D), keys.reshape(L, N, D), m.reshape(L, N),
-                               np.zeros((L, 0, D), F32), np.zeros((L, 0), bool), sinks, rt)
-    return outs.reshape(lead + (H, D))
+def indexer_paged(qi, wraw, scale, store, lanes: PagedLanes, ncap, kind=ROW_F32, rt=None):
+    """The backend's indexer scores (step_indexer_paged): qi (L, Hi, Di), per-head weights wraw
+    (L, Hi) scaled on the device, the slot's index rows (pages, per, Di) -> (L, ncap): score of
+    row n < nvis[l], -inf beyond (and on padding lanes)."""
+    rt = _rt(rt)
+    qi = _f32(qi)
+    L, Hi, Di = qi.shape
+    with _Scope(rt) as s:
+        out = s.out((L, ncap))
+        rt.launch(kernel(rt, "step_state", "step_indexer_paged"), (min(_blocks(ncap, 8), 128), L), (256,),
+                  (s.up(qi), s.up(_f32(wraw)), F32(scale), s.up(_stored(store, kind, 0)), I32(kind),
+                   s.up(np.asarray(lanes.btab, I32)), I32(lanes.btab.shape[1]), I32(lanes.per),
+                   s.up(np.asarray(lanes.slot, I32)), s.up(np.asarray(lanes.nvis, I32)), out, I32(Hi), I32(Di),
+                   I32(ncap)))
+        return s.get(out, (L, ncap))
 
 
 # ---------------------------------------------------------------------------
@@ -624,30 +601,6 @@ def pool_window(kv, score, rt=None):
         rt.launch(kernel(rt, "pool", "ds4_pool_window"), (_blocks(R * D, 256),), (256,),
                   (s.up(kv), s.up(score), out, I32(R), I32(C), I32(D)))
         return s.get(out, shape)
-
-
-IX_DMAX, IX_SMEM = 128, 8192
-
-
-def indexer_scores_batched(q, wts, keys, n_valid, rt=None):
-    """q (L, Hi, Di), wts (L, Hi), keys (L, ncap, Di), n_valid (L,) -> (L, ncap), -inf past n_valid."""
-    rt = _rt(rt)
-    q, wts, keys = _f32(q), _f32(wts), _f32(keys)
-    L, Hi, Di = q.shape
-    ncap = keys.shape[1]
-    _need(Di % 32 == 0 and Di <= IX_DMAX, f"indexer: head dim {Di} must be a multiple of 32 and <= {IX_DMAX}")
-    _need(Hi * Di <= IX_SMEM, f"indexer: {Hi} heads x {Di} dims exceed the staged limit {IX_SMEM}")
-    with _Scope(rt) as s:
-        out = s.out((L, ncap))
-        rt.launch(kernel(rt, "indexer", "ds4_indexer_scores"), (_blocks(ncap, 64), L), (256,),
-                  (s.up(q), s.up(wts), s.up(keys), s.up(np.asarray(n_valid, I32)), out, I32(Hi), I32(Di),
-                   I32(ncap)))
-        return s.get(out, (L, ncap))
-
-
-def indexer_scores(qi, wts, keys, rt=None):
-    n = keys.shape[0]
-    return indexer_scores_batched(qi[None], wts[None], keys[None], [n], rt)[0]
 
 
 def topk_batched(scores, n_valid, k, rt=None):

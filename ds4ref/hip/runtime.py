@@ -1,8 +1,8 @@
 """One small GPU runtime interface with two adapters.
 
     rt = get_runtime()                      # HIP (ROCm) first, then CUDA; or DS4REF_GPU_RUNTIME
-    mod = rt.compile(load_source("matvec.hip"), "matvec.hip")
-    k = mod.kernel("ds4_matvec_bf16")
+    mod = rt.compile(load_source("norm.hip"), "norm.hip")
+    k = mod.kernel("ds4_rmsnorm")
     buf = rt.malloc(n); rt.h2d(buf, array); rt.launch(k, grid, block, (buf, np.int32(3)), shared=0)
     rt.d2h(array, buf); rt.synchronize()
 
@@ -17,6 +17,9 @@ Kernel arguments are explicit: a DeviceBuffer (passed as its pointer), None (a
 null pointer) or a NumPy scalar of the kernel parameter's exact type
 (np.int32, np.int64, np.float32, np.float64, np.uint64). Plain Python numbers are
 refused, because their width is ambiguous and a wrong width corrupts the launch.
+Each launch is checked against the kernel's parameter list, read from its source
+when the file is compiled (signatures.py): a wrong count or type raises
+KernelArgumentError naming the kernel and the parameter.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..settings import getenv
+from .signatures import Signature, check_launch, parse_signatures
 
 KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
 HEADER = "ds4_hip.h"
@@ -121,15 +125,32 @@ def _status(err: Any) -> int:
     return int(getattr(err, "value", err))
 
 
-class Module:
-    def __init__(self, rt: "Runtime", handle: Any, name: str):
-        self.rt, self.handle, self.name = rt, handle, name
-        self._kernels: dict[str, Any] = {}
+@dataclass(frozen=True, eq=False)
+class Kernel:
+    """A loaded kernel and its parameter list; launches are checked against it."""
+    handle: Any
+    name: str
+    signature: Signature
 
-    def kernel(self, fn: str) -> Any:
+
+class Module:
+    def __init__(self, rt: "Runtime", handle: Any, name: str, source: str):
+        self.rt, self.handle, self.name = rt, handle, name
+        self.signatures = parse_signatures(source, name)  # parsed at compile: a bad list fails at load
+        self._kernels: dict[str, Kernel] = {}
+
+    def kernel(self, fn: str) -> Kernel:
         if fn not in self._kernels:
-            self._kernels[fn] = self.rt._get_function(self, fn)
+            if fn not in self.signatures:
+                raise GpuError(f"{self.name}: no extern \"C\" __global__ kernel {fn} in the source")
+            self._kernels[fn] = Kernel(self.rt._get_function(self, fn), fn, self.signatures[fn])
         return self._kernels[fn]
+
+
+def launch_handle(kernel: Any, args: Sequence[Any]) -> Any:
+    """The driver's handle of kernel, after checking args against its parameters."""
+    check_launch(kernel, args)
+    return kernel.handle if isinstance(kernel, Kernel) else kernel
 
 
 class Runtime(ABC):
@@ -333,7 +354,7 @@ class CudaRuntime(Runtime):
         finally:
             nv.nvrtcDestroyProgram(prog)
         handle = self._check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
-        return Module(self, handle, name)
+        return Module(self, handle, name, source)
 
     def _log(self, prog) -> str:
         nv = self.nvrtc
@@ -383,6 +404,7 @@ class CudaRuntime(Runtime):
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
+        kernel = launch_handle(kernel, args)
         ptrs, _holders = pack_args(args)  # _holders keep the values alive through the call
         self._check(self.drv.cuLaunchKernel(kernel, *g, *b, int(shared), stream or self.stream,
                                             ptrs.ctypes.data, 0), "cuLaunchKernel")
@@ -474,7 +496,7 @@ class HipRuntime(Runtime):
         finally:
             rtc.hiprtcDestroyProgram(prog.createRef())
         handle = self._check(self.hip.hipModuleLoadData(code), f"hipModuleLoadData({name})")
-        return Module(self, handle, name)
+        return Module(self, handle, name, source)
 
     def _get_function(self, module, fn):
         return self._check(self.hip.hipModuleGetFunction(module.handle, fn.encode()),
@@ -517,6 +539,7 @@ class HipRuntime(Runtime):
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
+        kernel = launch_handle(kernel, args)
         ptrs, _holders = pack_args(args)
         self._check(self.hip.hipModuleLaunchKernel(kernel, *g, *b, int(shared), stream or self.stream,
                                                    ptrs.ctypes.data, None), "hipModuleLaunchKernel")

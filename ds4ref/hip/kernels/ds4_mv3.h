@@ -109,7 +109,7 @@ __device__ __forceinline__ float mv3_e8m0_half(ds4_u32 e) {
     return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
 }
 
-// The 8 weights as f32, exactly as mv_load8 widens them. Rows past N are never loaded but
+// The 8 weights as f32, each widened exactly (Q8_0: d * q is exact in f32). Rows past N are never loaded but
 // still unpacked (their sums are never written): every index taken from the raw words is
 // masked to its range, so such garbage cannot reach outside a table.
 template <int WT>

@@ -1,47 +1,6 @@
-// Lightning indexer scores and deterministic top-k.
+// Deterministic top-k of the lightning indexer's scores (step_state.hip's step_indexer_paged
+// computes them over the paged rows).
 #include "ds4_hip.h"
-
-#define IX_WARPS 8
-#define IX_DMAX 128
-#define IX_SMEM 8192
-#define IX_KPW 8   // keys per warp  // floats of staged queries: Hi * Di <= 8192 (64 heads * 128)
-
-// score[l, n] = sum_h w[l, h] * relu(q[l, h] . k[l, n]) for n < n_valid[l], -inf beyond.
-// One warp per key row (8 rows each); heads summed in order, dots by the warp butterfly.
-extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
-ds4_indexer_scores(const float* __restrict__ q, const float* __restrict__ wts,
-                   const float* __restrict__ keys, const int* __restrict__ n_valid,
-                   float* __restrict__ out, int Hi, int Di, int ncap) {
-    __shared__ __align__(16) float qs[IX_SMEM];
-    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int l = blockIdx.y;
-    for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) qs[i] = q[(long long)l * Hi * Di + i];
-    __syncthreads();
-    // each warp scores IX_KPW consecutive keys, so the staged queries serve 64 keys per block
-    for (int kk = 0; kk < IX_KPW; ++kk) {
-        int n = (blockIdx.x * IX_WARPS + warp) * IX_KPW + kk;
-        if (n >= ncap) return;
-        if (n >= n_valid[l]) {
-            if (lane == 0) out[(long long)l * ncap + n] = -DS4_INF;
-            continue;
-        }
-        const float* kr = keys + ((long long)l * ncap + n) * Di;
-        float kv[IX_DMAX / DS4_WARP];
-        int nd = Di / DS4_WARP;
-#pragma unroll
-        for (int t = 0; t < IX_DMAX / DS4_WARP; ++t) kv[t] = t < nd ? kr[lane + DS4_WARP * t] : 0.0f;
-        float total = 0.0f;
-        for (int h = 0; h < Hi; ++h) {
-            float part = 0.0f;
-#pragma unroll
-            for (int t = 0; t < IX_DMAX / DS4_WARP; ++t)
-                if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
-            float dot = ds4_warp_sum(part);
-            total += fmaxf(dot, 0.0f) * wts[(long long)l * Hi + h];
-        }
-        if (lane == 0) out[(long long)l * ncap + n] = total;
-    }
-}
 
 // Order-preserving map of f32 to u32 (larger float -> larger key); -0 folds into +0
 // so equal scores tie exactly as in NumPy.

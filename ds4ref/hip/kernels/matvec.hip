@@ -1,9 +1,8 @@
-// Batched matvec for up to 16 lanes: y[l, g*N + r] = sum_k W[g*N + r, k] * x[l, g*xg + k].
+// Batched matvec for any number of lanes: y[l, g*N + r] = sum_k W[g*N + r, k] * x[l, g*xg + k].
 //
-// Each weight row is read ONCE for all lanes: the lanes' activations are staged
-// in shared memory a chunk of MV_KC columns at a time, and every weight load
-// (8 values: 16 bytes of f16/bf16, 32 of f32, 8 quants + scale of Q8_0) is
-// multiplied into all lanes' accumulators.
+// Each weight row is read ONCE for all lanes of a group of 16: the lanes' activations are
+// staged in shared memory a chunk at a time, and every weight load is multiplied into all
+// lanes' accumulators.
 //
 // Fixed reduction order: lane `t` of a warp sums columns t*8 .. t*8+7 of each
 // 256-column step, chunk after chunk, then the warp butterfly combines the 32
@@ -15,225 +14,19 @@
 #include "ds4_hip.h"
 
 #define MV_LANES 16
-#define MV_KC 512   // columns staged per chunk: 16 lanes * 512 * 4 B = 32 KiB
-#define MV_WARPS 8
-#define MV_RPW 2    // rows per warp: 16 rows per block
 
 #define WT_F32 0
 #define WT_F16 1
 #define WT_BF16 2
 #define WT_Q8_0 3
 
-// 8 consecutive weights of row `row` starting at column `col` (col % 8 == 0).
-template <int WT>
-__device__ __forceinline__ void mv_load8(const ds4_u8* __restrict__ W, long long row, int K, int col, float* w) {
-    if (WT == WT_F32) {
-        const float4* p = (const float4*)(W + (row * K + col) * 4);
-        float4 a = p[0], b = p[1];
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    } else if (WT == WT_F16 || WT == WT_BF16) {
-        uint4 u = *(const uint4*)(W + (row * K + col) * 2);
-        ds4_u32 parts[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            ds4_u16 lo = (ds4_u16)(parts[t] & 0xffffu), hi = (ds4_u16)(parts[t] >> 16);
-            w[2 * t] = WT == WT_F16 ? ds4_f16_to_f32(lo) : ds4_bf16_to_f32(lo);
-            w[2 * t + 1] = WT == WT_F16 ? ds4_f16_to_f32(hi) : ds4_bf16_to_f32(hi);
-        }
-    } else {  // Q8_0: blocks of 32 values, f16 scale then 32 int8; 34 bytes, 2-byte aligned
-        long long row_bytes = (long long)(K / 32) * 34;
-        const ds4_u8* blk = W + row * row_bytes + (long long)(col / 32) * 34;
-        float d = ds4_f16_to_f32(*(const ds4_u16*)blk);
-        const ds4_u16* q = (const ds4_u16*)(blk + 2 + (col % 32));
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            ds4_u16 pair = q[t];
-            // d * q is exact in f32 (11-bit * 8-bit mantissas): same as dequantising first
-            w[2 * t] = d * (float)(ds4_i8)(pair & 0xffu);
-            w[2 * t + 1] = d * (float)(ds4_i8)(pair >> 8);
-        }
-    }
-}
-
-template <int WT>
-__device__ void mv_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                        int N, int K, int L, int ldx, int xg, int ldy) {
-    __shared__ __align__(16) float xs[MV_LANES * MV_KC];
-    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int g = blockIdx.y;
-    int row0 = blockIdx.x * (MV_WARPS * MV_RPW) + warp * MV_RPW;
-    float acc[MV_RPW][MV_LANES];
-#pragma unroll
-    for (int i = 0; i < MV_RPW; ++i)
-#pragma unroll
-        for (int l = 0; l < MV_LANES; ++l) acc[i][l] = 0.0f;
-    const float* xg_base = x + (long long)g * xg;
-
-    for (int c0 = 0; c0 < K; c0 += MV_KC) {
-        int kc = K - c0 < MV_KC ? K - c0 : MV_KC;
-        __syncthreads();  // previous chunk fully consumed
-        for (int l = 0; l < L; ++l)
-            for (int j = threadIdx.x; j < kc; j += blockDim.x)
-                xs[l * MV_KC + j] = xg_base[(long long)l * ldx + c0 + j];
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < MV_RPW; ++i) {
-            int r = row0 + i;
-            if (r >= N) break;
-            long long grow = (long long)g * N + r;
-            for (int j0 = lane * 8; j0 < kc; j0 += DS4_WARP * 8) {
-                float w[8];
-                mv_load8<WT>(W, grow, K, c0 + j0, w);
-#pragma unroll
-                for (int l = 0; l < MV_LANES; ++l) {
-                    if (l < L) {
-                        const float4* xp = (const float4*)(xs + l * MV_KC + j0);
-                        float4 a = xp[0], b = xp[1];
-                        float s = acc[i][l];
-                        s += w[0] * a.x; s += w[1] * a.y; s += w[2] * a.z; s += w[3] * a.w;
-                        s += w[4] * b.x; s += w[5] * b.y; s += w[6] * b.z; s += w[7] * b.w;
-                        acc[i][l] = s;
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < MV_RPW; ++i) {
-        int r = row0 + i;
-        if (r >= N) break;
-#pragma unroll
-        for (int l = 0; l < MV_LANES; ++l) {
-            if (l < L) {
-                float s = ds4_warp_sum(acc[i][l]);
-                if (lane == l) y[(long long)l * ldy + (long long)g * N + r] = s;
-            }
-        }
-    }
-}
-
-#define DS4_MATVEC(NAME, WT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * DS4_WARP)                            \
-        NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,    \
-             int ldy) {                                                                           \
-        mv_body<WT>(W, x, y, N, K, L, ldx, xg, ldy);                                              \
-    }
-
-DS4_MATVEC(ds4_matvec_f32, WT_F32)
-DS4_MATVEC(ds4_matvec_f16, WT_F16)
-DS4_MATVEC(ds4_matvec_bf16, WT_BF16)
-DS4_MATVEC(ds4_matvec_q8_0, WT_Q8_0)
-
 // ---------------------------------------------------------------------------
-// v2: the same per-row arithmetic (so results are bitwise equal to v1), arranged
-// for memory-level parallelism:
-//   * the staged chunk is KC = 8192 / L columns (a multiple of 256), so one lane
-//     stages up to 8192 columns and a 4096-wide row needs one barrier pair;
-//   * a warp issues the weight loads of U steps x RPW rows before any FMA, so
-//     several 16-byte loads are in flight per lane;
-//   * each staged activation is read once per step and used for all RPW rows.
-// A lane's column set and order are independent of KC (lane t always takes
-// columns t*8 + 256*m in increasing m), so batch invariance is kept.
-// ---------------------------------------------------------------------------
-template <int WT, int RPW>
-__device__ void mv2_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-                         int N, int K, int L, int ldx, int xg, int ldy, int KC) {
-    constexpr int U = 8 / RPW;  // steps whose loads are issued together
-    __shared__ __align__(16) float xs[MV_LANES * MV_KC];
-    int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    int g = blockIdx.y;
-    int row0 = blockIdx.x * (MV_WARPS * RPW) + warp * RPW;
-    float acc[RPW][MV_LANES];
-#pragma unroll
-    for (int i = 0; i < RPW; ++i)
-#pragma unroll
-        for (int l = 0; l < MV_LANES; ++l) acc[i][l] = 0.0f;
-    const float* xg_base = x + (long long)g * xg;
-
-    for (int c0 = 0; c0 < K; c0 += KC) {
-        int kc = K - c0 < KC ? K - c0 : KC;
-        __syncthreads();
-        for (int l = 0; l < L; ++l)
-            for (int j = threadIdx.x; j < kc; j += blockDim.x)
-                xs[l * KC + j] = xg_base[(long long)l * ldx + c0 + j];
-        __syncthreads();
-        for (int s0 = 0; s0 * DS4_WARP * 8 < kc; s0 += U) {
-            float w[RPW][U][8];
-#pragma unroll
-            for (int i = 0; i < RPW; ++i)
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
-                    if (row0 + i < N && j0 < kc) {
-                        mv_load8<WT>(W, (long long)g * N + row0 + i, K, c0 + j0, w[i][u]);
-                    } else {
-#pragma unroll
-                        for (int t = 0; t < 8; ++t) w[i][u][t] = 0.0f;
-                    }
-                }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                int j0 = lane * 8 + (s0 + u) * DS4_WARP * 8;
-                if (j0 >= kc) continue;
-#pragma unroll
-                for (int l = 0; l < MV_LANES; ++l) {
-                    if (l < L) {
-                        const float4* xp = (const float4*)(xs + l * KC + j0);
-                        float4 a = xp[0], b = xp[1];
-#pragma unroll
-                        for (int i = 0; i < RPW; ++i) {
-                            float s = acc[i][l];
-                            s += w[i][u][0] * a.x; s += w[i][u][1] * a.y; s += w[i][u][2] * a.z; s += w[i][u][3] * a.w;
-                            s += w[i][u][4] * b.x; s += w[i][u][5] * b.y; s += w[i][u][6] * b.z; s += w[i][u][7] * b.w;
-                            acc[i][l] = s;
-                        }
-                    }
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-        int r = row0 + i;
-        if (r >= N) break;
-#pragma unroll
-        for (int l = 0; l < MV_LANES; ++l) {
-            if (l < L) {
-                float s = ds4_warp_sum(acc[i][l]);
-                if (lane == l) y[(long long)l * ldy + (long long)g * N + r] = s;
-            }
-        }
-    }
-}
-
-#define DS4_MATVEC2(NAME, WT, RPW)                                                                \
-    extern "C" __global__ void __launch_bounds__(MV_WARPS * DS4_WARP)                            \
-        NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,    \
-             int ldy, int KC) {                                                                   \
-        mv2_body<WT, RPW>(W, x, y, N, K, L, ldx, xg, ldy, KC);                                    \
-    }
-
-DS4_MATVEC2(ds4_matvec2_f32_r1, WT_F32, 1)
-DS4_MATVEC2(ds4_matvec2_f32_r2, WT_F32, 2)
-DS4_MATVEC2(ds4_matvec2_f32_r4, WT_F32, 4)
-DS4_MATVEC2(ds4_matvec2_f16_r1, WT_F16, 1)
-DS4_MATVEC2(ds4_matvec2_f16_r2, WT_F16, 2)
-DS4_MATVEC2(ds4_matvec2_f16_r4, WT_F16, 4)
-DS4_MATVEC2(ds4_matvec2_bf16_r1, WT_BF16, 1)
-DS4_MATVEC2(ds4_matvec2_bf16_r2, WT_BF16, 2)
-DS4_MATVEC2(ds4_matvec2_bf16_r4, WT_BF16, 4)
-DS4_MATVEC2(ds4_matvec2_q8_0_r1, WT_Q8_0, 1)
-DS4_MATVEC2(ds4_matvec2_q8_0_r2, WT_Q8_0, 2)
-DS4_MATVEC2(ds4_matvec2_q8_0_r4, WT_Q8_0, 4)
-
-// ---------------------------------------------------------------------------
-// v3: the same per-row arithmetic again (bitwise equal to v1/v2), rebuilt so the
-// shared-memory traffic per weight shrinks and padding lanes cost nothing:
+// The kernel's arrangement, chosen so the shared-memory traffic per weight is small and
+// padding lanes cost nothing:
 //   * activations are staged swizzled: for one 256-column step, the first float4 of
 //     every warp lane's 8 columns sits in 128 contiguous floats and the second float4
 //     in the next 128, so each LDS.128 of a warp reads 512 contiguous bytes (no bank
-//     conflict; v1/v2 read at a 32-byte stride, 2-way conflicted);
+//     conflict);
 //   * R rows per warp share each staged activation load (R = 4: 8 FMAs per float loaded);
 //   * U steps x R rows of raw weight words are loaded before any FMA (R*U 16-byte loads
 //     in flight per thread) and stay raw (4 registers for 8 bf16/f16 values) until used;

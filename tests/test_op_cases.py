@@ -1,0 +1,63 @@
+"""The op-case table (ds4ref/hip/op_cases.py) without a GPU: every case builds its inputs, runs
+its reference twin, and launches only kernels it names, each launch checked against the
+kernel's parameters on a recording runtime; and the table covers every kernel the backend's
+pass launches, except the few checked end to end only (tests/gpu/test_hip_backend.py)."""
+from __future__ import annotations
+
+import fnmatch
+import types
+
+import numpy as np
+import pytest
+
+from ds4ref.hip import ops as K
+from ds4ref.hip.op_cases import CASES, run_case
+from test_hip_program import RecordingRuntime
+
+# kernels of the pass whose twin would be the whole reference layer: checked end to end
+END_TO_END = {"step_embed", "step_hash_ids", "step_moe_combine", "step_hc_head", "step_gather_rows",
+              "step_comp_gather", "step_comp_store", "step_comp_commit", "step_ring_commit"}
+
+
+def some_params(case, rng):
+    """One value of each parameter, small ones for the ranges (row counts, widths)."""
+    return {k: v[int(rng.integers(min(len(v), 40)))] for k, v in case.params.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_case_builds_checked_launches(case):
+    rt = RecordingRuntime()
+    out = None
+    rng = np.random.default_rng(0)
+    for seed in range(40):  # a few draws: some cases reject some shapes
+        params = some_params(case, rng)
+        out = run_case(case, seed, 16 if case.rows != "one" else 1, rt, **params)
+        if out is not None:
+            break
+    assert out is not None, f"{case.name}: every draw rejected"
+    got, want = out
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert np.shape(a) == np.shape(b), (case.name, np.shape(a), np.shape(b))
+    names = {k[1] for k, _ in rt.launches}
+    assert names and all(any(fnmatch.fnmatch(n, p) for p in case.kernels) for n in names), (names, case.kernels)
+
+
+def test_table_covers_the_backends_kernels(monkeypatch):
+    from ds4ref.hip.backend import HipBackend
+    from ds4ref.hip.device_weights import DeviceWeights
+    from ds4ref.reference.layers import Tables
+    from ds4ref.tiny import tiny_config
+    from test_hip_program import Buf
+    monkeypatch.setattr(K, "view", lambda buf, off, n: Buf(n))
+    rt = RecordingRuntime()
+    for numerics in ("official", "plain"):
+        cfg = tiny_config()
+        dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
+        model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
+        backend = HipBackend(model, runtime=rt, device_weights=dw)
+        backend.configure(2, 16)
+        ran = {k.name for program in backend.programs.values() for k, *_ in program.ops}
+        twinned = {n for n in ran if any(fnmatch.fnmatch(n, p) for c in CASES for p in c.kernels)}
+        assert ran - twinned == END_TO_END & ran, sorted(ran - twinned - END_TO_END)
+        assert {"step_attention_split", "step_indexer_paged", "step_rope_pos"} <= twinned
