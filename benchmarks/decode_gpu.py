@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4ref.backend import Row, StepPlan  # noqa: E402
 from ds4ref.reference.layers import Tables  # noqa: E402
 from ds4ref.reference.state import ATTN, INDEX  # noqa: E402
-from ds4ref.tiny import tiny_config  # noqa: E402
+from ds4ref.gguf.tiny import tiny_config  # noqa: E402
 
 GFX1151_GBS = 212.0
 # The upstream PR's own decode figures on Strix Halo (gfx1151), q2 Flash, tok/s at C = 1, 8, 16.

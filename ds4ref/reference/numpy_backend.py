@@ -58,7 +58,7 @@ class NumpyBackend:
     def __init__(self, model, max_rows: int = PREFILL_ROWS) -> None:
         self.model, self.cfg, self.dtype = model, model.config, model.dtype
         self.max_rows = max_rows
-        self.storage = kv_storage(self.dtype, model.numerics)  # how KV / indexer rows are held
+        self.storage = kv_storage("numpy", model.numerics, self.dtype)  # how KV / indexer rows are held
         self.layout: PageLayout | None = None
 
     def describe(self) -> str:

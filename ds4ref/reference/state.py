@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import DS4Config
+from ..gguf.config import DS4Config
 
 ATTN, INDEX = "attn", "index"
 

@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from typing import Optional
 
-from ..cli import plural
+from ..console import plural
 from .request import Event, FinishEvent, Refused, Request, TokenEvent
 from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
 

@@ -59,10 +59,11 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
-    from ..gguf_io import open_gguf
+    from ..gguf.file import open_gguf
     from ..backend import PREFILL_ROWS
-    from ..paging.plan import backend_storage, make_plan, weight_bytes, with_pass_workspace
-    from ..tiny import default_model_path
+    from ..paging.layout import kv_storage
+    from ..paging.plan import make_plan, weight_bytes
+    from ..gguf.tiny import default_model_path
 
     if not 1 <= max_concurrency <= MAX_LANES:
         raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
@@ -79,9 +80,10 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
                          f"got {max_context}")
     # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
     plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
-                     kv_pool_tokens, backend_storage(backend, numerics))
+                     kv_pool_tokens, kv_storage(backend, numerics))
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
-        plan = with_pass_workspace(plan, PREFILL_ROWS)
+        from ..hip.workspace import with_pass_workspace
+        plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
     return model_file, plan
 
 

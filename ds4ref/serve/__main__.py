@@ -7,7 +7,7 @@ import logging
 import re
 import socket
 import sys
-from ..cli import HelpFormatter
+from ..console import HelpFormatter
 from ..settings import getenv
 
 from ..backend import PREFILL_ROWS

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.backend import Row, StepPlan
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler.request import Request, Sampling, TokenEvent
 

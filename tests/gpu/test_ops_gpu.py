@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ds4ref.hip import ops as g
 from ds4ref.reference import ops as ref
-from ds4ref.tiny import random_blocks
+from ds4ref.gguf.tiny import random_blocks
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32
@@ -465,7 +465,7 @@ def quant_raw(seed, n, k, wtype):
 
 
 def canon_qlinear(x, raw, wtype):
-    from ds4ref.quant_codes import quant_codes
+    from ds4ref.gguf.quant_codes import quant_codes
     from ds4ref.reference import canon
     return canon.qlinear(x, quant_codes(wtype.upper(), raw))
 

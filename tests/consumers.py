@@ -19,8 +19,8 @@ from typing import Any, Mapping
 
 from gguf import GGUFValueType as VType
 
-from .config import ARCH, KEYS
-from .metadata import ACCEPTED, ACCEPTED_ELEMENTS, KEY_TYPES
+from ds4ref.gguf.config import ARCH, KEYS
+from ds4ref.gguf.metadata import ACCEPTED, ACCEPTED_ELEMENTS, KEY_TYPES
 
 CONSUMERS = ("ds4ref", "llama.cpp", "ds4.c")
 P = f"{ARCH}."
@@ -154,7 +154,7 @@ def _summary(types: tuple[str, ...]) -> str:
 
 
 def markdown_table() -> str:
-    """The table docs/gguf.md carries (regenerate with `python -m ds4ref.consumers`)."""
+    """The table docs/gguf.md carries (regenerate with `python -m tests.consumers`)."""
     rows = ["| key | " + " | ".join(CONSUMERS) + " |", "|---" * (len(CONSUMERS) + 1) + "|"]
     for key, per in requirements().items():
         cells = []
@@ -168,7 +168,7 @@ def markdown_table() -> str:
 
 def metadata_types(meta: Mapping[str, Any]) -> dict[str, tuple[int, int | None]]:
     """The GGUF types ds4ref's writer gives these values (for checking before writing)."""
-    from .gguf_io import _value_type
+    from ds4ref.gguf.file import _value_type
     return {k: _value_type(k, v) for k, v in meta.items()}
 
 

@@ -7,7 +7,7 @@ and clamping within a few hundred tokens. Weights are random but scaled so
 that activations stay O(1) through the layers and the logits are far from
 flat, which makes argmax comparisons between implementations meaningful.
 
-    python -m ds4ref.tiny --out model.gguf [--seed N] [--layers N] [--policy q2|q4|mxfp4]
+    python -m ds4ref.gguf.tiny --out model.gguf [--seed N] [--layers N] [--policy q2|q4|mxfp4]
 
 `--policy` writes the published files' type policy (spec §2): routed experts as
 IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
@@ -23,7 +23,7 @@ import importlib.resources
 import math
 import os
 from pathlib import Path
-from .cli import HelpFormatter
+from ..console import HelpFormatter
 
 import numpy as np
 
@@ -200,7 +200,7 @@ def random_blocks(rng: np.random.Generator, qtype_name: str, shape: tuple[int, .
     set so that the values have mean ~0 and standard deviation ~`std`. The scales are
     finite f16 (E8M0 in 1..254 for MXFP4), so every value dequantises to a finite float."""
     import gguf
-    from .gguf_io import StoredBlocks
+    from .file import StoredBlocks
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
     byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
@@ -255,7 +255,7 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
                dtypes: dict[str, str] | None = None, policy: str | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
     `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS."""
-    from .gguf_io import write_gguf
+    from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
     extra = {"ds4ref.tiny_seed": int(seed)}
@@ -278,7 +278,7 @@ def default_model_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ds4ref.tiny", description="Write a tiny random deepseek4 GGUF.",
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.gguf.tiny", description="Write a tiny random deepseek4 GGUF.",
                                  formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="output .gguf path")
     ap.add_argument("--seed", type=int, default=0, help="seed of every random tensor")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 ARCH = "deepseek4"
 
 # config field -> (GGUF key suffix after "deepseek4.", required, GGUF type written, spec §2.1).
-# The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.metadata).
+# The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.gguf.metadata).
 # The two context lengths are written as u32: llama.cpp reads them into uint32_t and refuses
 # u64 ("wrong type u64"); ds4.c reads context_length only for its banner and takes
 # original_context_length as u32 or u64, so u32 is the one type all three consumers accept.

@@ -3,13 +3,13 @@
     python -m ds4ref.convert --hf DIR --out FILE.gguf [--dtype f32|f16|bf16|q8_0]
 
 DIR holds config.json (transformers' modern keys or the legacy ones, see
-ds4ref.hf.config_from_hf) and one or more *.safetensors files with official
+ds4ref.convert.hf.config_from_hf) and one or more *.safetensors files with official
 DeepSeek names, transformers' names (with or without the leading `model.`), or
 the hybrid that transformers' save_pretrained writes. Tensors are read lazily,
 one at a time, while the GGUF is written.
 
 Unquantised checkpoints (F32/F16/BF16/F64, integer tid2eid) and the official FP8/FP4
-release (ds4ref.fp8): FP8 weights are dequantised exactly and stored as --dtype; FP4
+release (ds4ref.convert.fp8): FP8 weights are dequantised exactly and stored as --dtype; FP4
 routed experts are repacked to MXFP4 losslessly. docs/convert.md has the details.
 """
 from __future__ import annotations
@@ -22,15 +22,15 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
-from .cli import HelpFormatter
+from ..console import HelpFormatter
 
 import numpy as np
 
-from .config import ConfigError, DS4Config
+from ..gguf.config import ConfigError, DS4Config
 from .fp8 import QuantError, decode_scales, dequantise_fp8, fp4_to_mxfp4, fp4_values
 from .hf import (EXPERT_OFFICIAL, EXPERT_TENSORS, GLOBAL_ALIASES, GLOBAL_NAMES, HF_DOWN, HF_GATE_UP,
                  LAYER_ALIASES, LAYER_NAMES, HFError, config_from_hf, strip_model_prefix)
-from .tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
+from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
 
 
 class ConvertError(ValueError):
@@ -40,7 +40,7 @@ class ConvertError(ValueError):
 # safetensors dtype strings
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 INT_DTYPES = {"I64", "I32", "I16", "U32"}
-# The official release's quantised weights (ds4ref.fp8): FP8 E4M3 values, int8-packed FP4, and
+# The official release's quantised weights (ds4ref.convert.fp8): FP8 E4M3 values, int8-packed FP4, and
 # their scales (E8M0, or float). Other quantised formats are refused naming the tensor.
 QUANT_DTYPES = {"F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2"}
 FP8_DTYPE, FP4_DTYPES = "F8_E4M3", {"I8", "U8"}
@@ -215,7 +215,7 @@ class LazyBlocks:
         return None if self._parts is None else self._parts()
 
     def stored_blocks(self):
-        from .gguf_io import StoredBlocks
+        from ..gguf.file import StoredBlocks
         return StoredBlocks(self.shape, self.qtype, self._load())
 
 
@@ -368,7 +368,7 @@ def _expect(t: SourceTensor, shape: tuple[int, ...], what: str) -> None:
 
 
 def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy]:
-    """GGUF name -> Lazy tensor in ds4ref.tensors' NumPy shape (checked against the headers now)."""
+    """GGUF name -> Lazy tensor in ds4ref.gguf.tensors' NumPy shape (checked against the headers now)."""
     shapes = tensor_shapes(cfg)
     out: dict[str, Lazy] = {}
     for name, t in plan.single.items():
@@ -487,7 +487,7 @@ def stored_dtypes(cfg: DS4Config, dtype: str) -> dict[str, str]:
 
 def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
     """Convert checkpoint directory `hf_dir` to GGUF file `out`; returns the config."""
-    from .gguf_io import write_gguf
+    from ..gguf.file import write_gguf
 
     hf_dir = Path(hf_dir)
     cfg = load_config(hf_dir)
@@ -505,7 +505,7 @@ def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
 
 def _with_progress(tensors: dict) -> dict:
     """The same tensors (Lazy or LazyBlocks), with one tick of a progress bar as each is read."""
-    from .progress import progress
+    from ..console import progress
 
     bar = progress(desc="converting", total=len(tensors), unit="tensor")
 
@@ -550,6 +550,3 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"convert: {exc}") from None
     print(f"wrote {args.out}: {cfg.n_layer} layers, {len(tensor_shapes(cfg))} tensors, dtype {args.dtype}")
 
-
-if __name__ == "__main__":
-    main()

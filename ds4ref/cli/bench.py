@@ -1,4 +1,4 @@
-"""python -m ds4ref.bench: load a running server with concurrent greedy streams.
+"""python -m ds4ref.cli.bench: load a running server with concurrent greedy streams.
 
 For each concurrency level C: one warm-up round of C short requests, then
 `repeats` rounds of C simultaneous streaming requests (greedy, ignore_eos so
@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
-from .cli import HelpFormatter
+from ..console import HelpFormatter
 
 import httpx
 
@@ -200,7 +200,7 @@ def parse_levels(text: str) -> list[int]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds4ref.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL, with or without /v1")
     p.add_argument("--concurrency", type=parse_levels, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
@@ -221,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results = asyncio.run(bench(url, args.concurrency, args.max_tokens, prompts, args.repeats,
                                     args.warmup_tokens, args.timeout, not args.no_progress))
     except httpx.HTTPError as e:
-        print(f"ds4ref.bench: cannot reach {url}: {e}", file=sys.stderr)
+        print(f"ds4ref.cli.bench: cannot reach {url}: {e}", file=sys.stderr)
         return 2
     print(json.dumps([asdict(r) for r in results], indent=2) if args.json else table(results))
     return 1 if any(r.errors for r in results) else 0

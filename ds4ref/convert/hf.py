@@ -2,7 +2,7 @@
 
 Three spellings of the same tensors exist:
 
-* GGUF (`ds4ref.tensors`, the truth here): `blk.3.attn_q_a.weight`, experts stacked;
+* GGUF (`ds4ref.gguf.tensors`, the truth here): `blk.3.attn_q_a.weight`, experts stacked;
 * official DeepSeek safetensors: `layers.3.attn.wq_a.weight`, one tensor per expert
   (`layers.3.ffn.experts.7.w1.weight`);
 * transformers: `model.layers.3.self_attn.q_a_proj.weight`, routed experts fused
@@ -30,8 +30,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .config import DS4Config
-from .tensors import layer_tensor_shapes
+from ..gguf.config import DS4Config
+from ..gguf.tensors import layer_tensor_shapes
 
 
 class HFError(ValueError):

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from .scheduler.request import Event, FinishEvent, Request, TokenEvent
-from .scheduler.scheduler import Scheduler
-from .scheduler.seq_engine import SeqEngine
+from .request import Event, FinishEvent, Request, TokenEvent
+from .scheduler import Scheduler
+from .seq_engine import SeqEngine
 
 
 class Engine:

@@ -1,17 +1,17 @@
 """Greedy generation from the command line.
 
-    python -m ds4ref.generate [--model PATH] --prompt-ids 1,2,3 -n 32
-    python -m ds4ref.generate --prompt "Hello" -n 16
+    python -m ds4ref.cli.generate [--model PATH] --prompt-ids 1,2,3 -n 32
+    python -m ds4ref.cli.generate --prompt "Hello" -n 16
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from .cli import HelpFormatter
+from ..console import HelpFormatter
 
 import numpy as np
 
-from .model import BACKENDS, load
+from ..model import BACKENDS, load
 
 
 def parse_ids(text: str) -> list[int]:
@@ -24,9 +24,9 @@ def parse_ids(text: str) -> list[int]:
 def generate(model, ids: list[int], n: int) -> list[int]:
     """Greedy tokens through the engine, one progress tick per token (the same tokens as
     model.generate: the engine's passes equal the reference's steps)."""
-    from .engine import Engine
-    from .progress import progress
-    from .scheduler.request import Request, TokenEvent
+    from ..scheduler.engine import Engine
+    from ..console import progress
+    from ..scheduler.request import Request, TokenEvent
 
     scheduler = Engine(model, max_concurrency=1).scheduler
     scheduler.submit(Request(list(ids), n, ignore_eos=True))
@@ -41,7 +41,7 @@ def generate(model, ids: list[int], n: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds4ref.generate", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.cli.generate", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--model", help="deepseek4 GGUF (default: the embedded tiny model)")
     src = ap.add_mutually_exclusive_group(required=True)

@@ -1,7 +1,7 @@
 """Weight access for the math: whole tensors and single routed experts.
 
 The math asks for tensors by their GGUF name and gets NumPy arrays in the
-shapes of ds4ref.tensors, already dequantised to one float dtype. Routed
+shapes of ds4ref.gguf.tensors, already dequantised to one float dtype. Routed
 expert tensors are large (25.8 GB per Flash layer in f32), so they are also
 reachable one expert at a time; an implementation backed by a quantised file
 dequantises only that expert's slice. A tensor stored in a GGUF block type
@@ -124,7 +124,7 @@ class Weights(ABC):
         return self._shapes[name]
 
     def get(self, name: str) -> np.ndarray:
-        """The whole tensor, `dtype` (int32 for tid2eid), NumPy shape from ds4ref.tensors.
+        """The whole tensor, `dtype` (int32 for tid2eid), NumPy shape from ds4ref.gguf.tensors.
 
         The returned array is read-only so that a caller cannot corrupt the cache.
         """
