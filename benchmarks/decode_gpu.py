@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ds4ref.gguf.config import CSA  # noqa: E402
 from ds4ref.backend import Row, StepPlan  # noqa: E402
 from ds4ref.reference.layers import Tables  # noqa: E402
 from ds4ref.reference.state import ATTN, INDEX  # noqa: E402
@@ -89,8 +90,8 @@ def history_bytes(cfg, ctx: int, C: int, kv_row: int, index_row: int) -> int:
     n = 0
     for r in cfg.compress_ratios:
         n += min(ctx + 1, cfg.sliding_window) * kv_row
-        if r == 4:
-            n += (ctx + 1) // 4 * index_row + min((ctx + 1) // 4, cfg.indexer_top_k) * kv_row
+        if r == CSA:
+            n += (ctx + 1) // r * index_row + min((ctx + 1) // r, cfg.indexer_top_k) * kv_row
         elif r:
             n += (ctx + 1) // r * kv_row
     return n * C

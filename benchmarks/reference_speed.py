@@ -88,7 +88,7 @@ def backend_decode(model, c: int) -> float:
     for s in range(c):
         b.reset_slot(s)
         b.set_block_table(s, list(range(s * pages, (s + 1) * pages)))
-    per = max(1, b.max_rows // c)  # prompt rows of each slot per pass
+    per = max(1, b.max_pass_rows // c)  # prompt rows of each slot per pass
     for p in range(0, PROMPT - 1, per):
         span = range(p, min(p + per, PROMPT - 1))
         b.step(StepPlan.from_rows([Row(s, q, int(ids[s, q]), False, False) for s in range(c) for q in span]))

@@ -117,7 +117,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
     params = kernel_params()
-    assert sorted(backend.programs) == [16, 256] and backend.max_rows == 256
+    assert sorted(backend.programs) == [16, 256] and backend.max_pass_rows == 256
     for L, program in backend.programs.items():
         ops = program.ops
         assert len(ops) > 10 * cfg.n_layer
@@ -178,7 +178,7 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
 
     def step(plan_rows):
         before = len(rt.launches)
-        res = backend.step(StepPlan.from_rows(plan_rows, backend.max_rows))
+        res = backend.step(StepPlan.from_rows(plan_rows, backend.max_pass_rows))
         for r in plan_rows:
             pos[r.slot] += 1
         return res, rt.launches[before:]

@@ -6,11 +6,33 @@ Flash's values, so tiny test models with small windows run the same code.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
 
 ARCH = "deepseek4"
+
+
+class LayerKind(enum.IntEnum):
+    """A layer's attention, named by its compress ratio (attention.compress_ratios; spec §3).
+    Every kind attends over the raw sliding window; the compressed kinds add compressed rows."""
+    SLIDING = 0  # the raw window only
+    CSA = 4      # compressed sparse attention: a row per 4 tokens (pooled from two overlapping
+                 # windows, lanes A and B), of which the lightning indexer picks the top-k
+    HCA = 128    # heavily compressed attention: a row per 128 tokens, all of them visible
+
+    @property
+    def compressed(self) -> bool:
+        return self is not LayerKind.SLIDING
+
+    @property
+    def lanes(self) -> int:
+        """Width of the compressor's projections in head_dim units: CSA pools two windows."""
+        return 2 if self is LayerKind.CSA else 1
+
+
+SLIDING, CSA, HCA = LayerKind.SLIDING, LayerKind.CSA, LayerKind.HCA
 
 # config field -> (GGUF key suffix after "deepseek4.", required, GGUF type written, spec §2.1).
 # The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.gguf.metadata).
@@ -21,7 +43,7 @@ KEYS: dict[str, tuple[str, bool, str]] = {
     "n_layer": ("block_count", True, "u32"),
     "context_length": ("context_length", False, "u32"),
     "n_embd": ("embedding_length", True, "u32"),
-    "vocab_size": ("vocab_size", True, "u32"),  # required here; gguf_io derives it when a file lacks it
+    "vocab_size": ("vocab_size", True, "u32"),  # required here; gguf/file.py derives it when a file lacks it
     "n_head": ("attention.head_count", True, "u32"),
     "n_head_kv": ("attention.head_count_kv", False, "u32"),
     "head_dim": ("attention.key_length", True, "u32"),
@@ -179,6 +201,13 @@ class DS4Config:
     def ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
+    def layer_kind(self, layer: int) -> LayerKind:
+        return LayerKind(self.compress_ratios[layer])
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(map(LayerKind, self.compress_ratios))
+
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.n_hash_layers
 
@@ -194,7 +223,7 @@ class DS4Config:
         need(len(self.swiglu_clamp) == self.n_layer,
              f"swiglu_clamp_exp has {len(self.swiglu_clamp)} entries for {self.n_layer} layers")
         for i, r in enumerate(self.compress_ratios):
-            need(r in (0, 4, 128), f"layer {i}: compress ratio {r} is not 0, 4 or 128")
+            need(r in tuple(LayerKind), f"layer {i}: compress ratio {r} is not 0, 4 or 128")
         need(self.n_head_kv == 1, f"attention.head_count_kv must be 1 (one shared K=V head), got {self.n_head_kv}")
         need(self.value_dim == self.head_dim, "attention.value_length must equal key_length (K and V are one vector)")
         need(self.n_rot % 2 == 0 and 0 < self.n_rot <= self.head_dim,

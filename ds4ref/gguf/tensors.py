@@ -7,7 +7,7 @@ checkpoint converter.
 """
 from __future__ import annotations
 
-from .config import DS4Config
+from .config import CSA, DS4Config
 
 GLOBAL = ("token_embd.weight", "output_hc_fn.weight", "output_hc_base.weight",
           "output_hc_scale.weight", "output_norm.weight", "output.weight")
@@ -19,7 +19,7 @@ INT_TENSORS = ("ffn_gate_tid2eid.weight",)
 def layer_tensor_shapes(cfg: DS4Config, il: int) -> dict[str, tuple[int, ...]]:
     """Suffix (after `blk.{il}.`) -> NumPy shape, for one layer."""
     d, hd, hc = cfg.n_embd, cfg.head_dim, cfg.hc_dim
-    ratio = cfg.ratio(il)
+    kind, ratio = cfg.layer_kind(il), cfg.ratio(il)
     s: dict[str, tuple[int, ...]] = {}
     for part in ("attn", "ffn"):
         s[f"hc_{part}_fn.weight"] = (cfg.hc_mix, hc)
@@ -34,13 +34,13 @@ def layer_tensor_shapes(cfg: DS4Config, il: int) -> dict[str, tuple[int, ...]]:
     s["attn_sinks.weight"] = (cfg.n_head,)
     s["attn_output_a.weight"] = (cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * hd)
     s["attn_output_b.weight"] = (d, cfg.o_groups * cfg.o_lora_rank)
-    if ratio:
-        coff = 2 if ratio == 4 else 1
+    if kind.compressed:
+        coff = kind.lanes
         s["attn_compressor_ape.weight"] = (ratio, coff * hd)
         s["attn_compressor_kv.weight"] = (coff * hd, d)
         s["attn_compressor_gate.weight"] = (coff * hd, d)
         s["attn_compressor_norm.weight"] = (hd,)
-    if ratio == 4:
+    if kind is CSA:
         ihd = cfg.indexer_head_dim
         s["indexer.attn_q_b.weight"] = (cfg.indexer_heads * ihd, cfg.q_lora_rank)
         s["indexer.proj.weight"] = (cfg.indexer_heads, d)

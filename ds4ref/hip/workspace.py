@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ..gguf.config import CSA
 from ..gguf.tensors import is_int_tensor, tensor_shapes
 from ..paging.layout import PageLayout
 from ..paging.plan import MemoryPlan
@@ -28,7 +29,7 @@ def max_keys(cfg, context: int) -> int:
     context = min(context, cfg.context_length)
     most = cfg.sliding_window
     for r in cfg.compress_ratios:
-        if r == 4:
+        if r == CSA:
             most = max(most, cfg.sliding_window + min(cfg.indexer_top_k, context // 4))
         elif r:
             most = max(most, cfg.sliding_window + context // r + 1)
@@ -37,7 +38,7 @@ def max_keys(cfg, context: int) -> int:
 
 def score_capacity(cfg, maxp: int, page_tokens: int) -> int:
     """Indexer scores a lane can have: a slot's ratio-4 rows."""
-    return maxp * (page_tokens // 4) if 4 in cfg.compress_ratios else 1
+    return maxp * (page_tokens // CSA) if CSA in cfg.compress_ratios else 1
 
 
 def attention_slices(cfg, maxp: int, page_tokens: int) -> int:
@@ -60,11 +61,11 @@ def q8_width(cfg, quantised_products: bool) -> int:
                c.expert_ff * max(c.n_expert_shared, 1), c.n_expert_used * c.expert_ff)
 
 
-def workspace_sizes(cfg, max_rows: int, maxp: int, page_tokens: int,
+def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
                     quantised_products: bool = False) -> dict[str, int]:
-    """int32/float32 elements per lane of every workspace buffer of a max_rows-lane pass at this
+    """int32/float32 elements per lane of every workspace buffer of a max_pass_rows-lane pass at this
     page geometry (every bucket's program uses the first lanes of these buffers)."""
-    c, L = cfg, max_rows
+    c, L = cfg, max_pass_rows
     D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
     wmax = max(D, Di)
     cmax = max([8] + [r for r in c.compress_ratios if r])
@@ -104,34 +105,34 @@ def rope_positions(cfg, n_pages: int, page_tokens: int) -> int:
     return min(cfg.context_length, n_pages * page_tokens)
 
 
-def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_rows: int, compact: bool,
+def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
                  quantised_products: bool = False) -> dict[str, int]:
     """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
     compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
-    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_rows-lane pass)."""
+    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_pass_rows-lane pass)."""
     maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
     ratios = {r for r in cfg.compress_ratios if r}
     return {
         "state": DeviceState.bytes_needed(cfg, n_slots, n_pages, page_tokens, compact),
-        "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_rows,
+        "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_pass_rows,
         "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
-        "workspace": 4 * max_rows * sum(workspace_sizes(cfg, max_rows, maxp, page_tokens,
+        "workspace": 4 * max_pass_rows * sum(workspace_sizes(cfg, max_pass_rows, maxp, page_tokens,
                                                         quantised_products).values()),
     }
 
 
-def pass_workspace(config, lanes: int, n_pages: int, page_tokens: int, max_rows: int, storage: str,
+def pass_workspace(config, lanes: int, n_pages: int, page_tokens: int, max_pass_rows: int, storage: str,
                    numerics: str) -> int:
     """What configure allocates beside the paged history and the per-slot state: block tables,
-    lane fields, RoPE tables and the max_rows-row pass's buffers (official numerics' products
+    lane fields, RoPE tables and the max_pass_rows-row pass's buffers (official numerics' products
     with quantised weights take int8 activations, whose scratch is part of the workspace)."""
     layout = PageLayout(config, page_tokens)
-    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_rows, storage == "compact",
+    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_pass_rows, storage == "compact",
                                  numerics == "official").values())
     return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
 
 
-def with_pass_workspace(plan: MemoryPlan, max_rows: int, numerics: str) -> MemoryPlan:
+def with_pass_workspace(plan: MemoryPlan, max_pass_rows: int, numerics: str) -> MemoryPlan:
     """The server's memory plan with the hip backend's pass workspace counted."""
     return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
-                                                  max_rows, plan.storage, numerics), workspace_rows=max_rows)
+                                                  max_pass_rows, plan.storage, numerics), workspace_rows=max_pass_rows)

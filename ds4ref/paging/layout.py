@@ -1,8 +1,8 @@
 """Where each piece of a sequence's decode state lives.
 
 Paged (grows with the sequence, 128 token positions per page):
-  ratio-4 layers:   page_tokens/4 compressed KV rows and as many indexer rows per page
-  ratio-128 layers: page_tokens/128 compressed KV rows per page (one for 128-token pages)
+  CSA layers (ratio 4):   page_tokens/4 compressed KV rows and as many indexer rows per page
+  HCA layers (ratio 128): page_tokens/128 compressed KV rows per page (one for 128-token pages)
 Per slot, not paged (fixed size):
   the raw sliding window, a ring of `sliding_window` rows per layer
   the compressor partial-window and overlap state per compressed layer
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..backend import PAGE_TOKENS
 from ..settings import getenv
-from ..gguf.config import DS4Config
+from ..gguf.config import CSA, DS4Config
 from .compact import index_row_bytes, kv_row_bytes
 
 
@@ -53,8 +53,8 @@ class PageLayout:
         for r in self.cfg.compress_ratios:
             if r:
                 kv += self.rows_per_page(r)
-            if r == 4:
-                ix += self.rows_per_page(4)
+            if r == CSA:
+                ix += self.rows_per_page(r)
         return kv, ix
 
     def ring_rows(self) -> int:
@@ -66,7 +66,7 @@ class PageLayout:
         bound on what the backends allocate (they keep 4 previous rows at 1x width, not 2x)."""
         c, n = self.cfg, 0
         for r in c.compress_ratios:
-            if r == 4:
+            if r == CSA:
                 # previous window lane A + current window, kv and score, 2*D wide
                 n += 2 * (2 * 4) * (2 * c.head_dim)
                 # the indexer compressor: same at 2 * indexer_head_dim wide (the upstream

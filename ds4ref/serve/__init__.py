@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..backend import MAX_ROWS as MAX_LANES  # decode lanes: one pass serves every decoding sequence
+from ..backend import DECODE_LANES
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -65,8 +65,8 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     from ..paging.plan import make_plan, weight_bytes
     from ..gguf.tiny import default_model_path
 
-    if not 1 <= max_concurrency <= MAX_LANES:
-        raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
+    if not 1 <= max_concurrency <= DECODE_LANES:
+        raise ValueError(f"--max-concurrency must be in 1..{DECODE_LANES}, got {max_concurrency}")
     if max_batched_rows is not None and max_batched_rows < max_concurrency:
         raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at least --max-concurrency "
                          f"({max_concurrency}): every decoding request needs its row in every pass")

@@ -71,7 +71,7 @@ def feed(backend, slot: int, tokens, chunks, start: int = 0) -> list[np.ndarray]
         rows = [Row(slot, pos + j, int(t)) for j, t in enumerate(tokens[i:i + n])]
         if not rows:
             break
-        res = backend.step(StepPlan.from_rows(rows, backend.max_rows))
+        res = backend.step(StepPlan.from_rows(rows, backend.max_pass_rows))
         out += res.logits
         pos, i = pos + len(rows), i + len(rows)
     return out
@@ -169,7 +169,7 @@ def request_mixes(draw):
 def numpy_like(model, hip_backend):
     """The NumPy reference with the HIP backend's pass size: arrivals and cancellations are
     given in passes, so both engines must plan the same passes to be compared."""
-    return NumpyBackend(model.reference, max_rows=hip_backend.max_rows)
+    return NumpyBackend(model.reference, max_pass_rows=hip_backend.max_pass_rows)
 
 
 def run_engine(model, backend, mix, quantum):
@@ -354,7 +354,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
             rest += [Row(s, pos[s] + j, int(others[s][pos[s] + j]), False, j == k - 1) for j in range(max(k, 0))]
         at = int(rng.integers(0, len(rest) + 1))
         plan = rest[:at] + mine + rest[at:]
-        res = b.step(StepPlan.from_rows(plan, b.max_rows))
+        res = b.step(StepPlan.from_rows(plan, b.max_pass_rows))
         passes += 1
         got += [lg for r, lg in zip(plan, res.logits) if r.slot == target]
         for r in plan:
