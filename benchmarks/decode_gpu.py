@@ -18,7 +18,7 @@ median of the repeats; "step" adds the host side (lane upload, argmax download).
 Floor: bytes a pass must read (weights touched: everything but the routed experts, plus
 the distinct experts C rows choose, expected under uniform routing; plus the visible
 KV/indexer history) divided by the measured device copy bandwidth (read + write counted,
-as in docs/perf_ops_gpu.md). The gfx1151 column is the same bytes over 212 GB/s.
+as in docs/results/ops_gpu.md). The gfx1151 column is the same bytes over 212 GB/s.
 """
 from __future__ import annotations
 

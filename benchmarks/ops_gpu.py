@@ -6,7 +6,7 @@ Times: each op's launches captured N times into one graph, replayed; events arou
 the replays; warm-up first; median of repeats; weights rotated among copies where
 one copy would sit in L2. Writes a markdown table to --out (and prints it).
 
-    python3 benchmarks/ops_gpu.py --out docs/perf_ops_gpu.md
+    python3 benchmarks/ops_gpu.py --out docs/results/ops_gpu.md
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def bench_small(b, L):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/perf_ops_gpu.md")
+    ap.add_argument("--out", default="docs/results/ops_gpu.md")
     ap.add_argument("--lanes", default="1,16")
     args = ap.parse_args(argv)
     rt = get_runtime()

@@ -1,4 +1,4 @@
-"""The official FP8/FP4 checkpoint (issue I.4): a synthetic checkpoint in the official layout,
+"""The official FP8/FP4 checkpoint: a synthetic checkpoint in the official layout,
 written by hand (safetensors header + raw bytes, no torch), converts; FP4 experts reach MXFP4
 bit for bit and FP8 weights decode exactly (torch's float8 types are the oracle)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GGUF both ways (issue I.1): files in llama.cpp's and antirez's conventions load, and the
+"""GGUF both ways: files in llama.cpp's and antirez's conventions load, and the
 files ds4ref writes satisfy every consumer's key and type rules (tests/consumers.py)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad GGUF files (issue H): each is refused at open with one line naming the file
+"""Bad GGUF files: each is refused at open with one line naming the file
 and the key (or tensor), never a Python-internal error or a later crash."""
 from __future__ import annotations
 

@@ -523,7 +523,7 @@ def test_bench_percentile_is_nearest_rank():
 # ---- page pressure ----------------------------------------------------------------------------
 
 def test_page_pressure_preempts_instead_of_truncating():
-    """The issue's case, scaled down: a 512-token pool (4 pages), three concurrent requests of
+    """Page pressure, scaled down: a 512-token pool (4 pages), three concurrent requests of
     300 tokens (3 pages each; two are admitted on 2 pages each and then both need a third). Every one comes back whole and equal to its solo run; a request
     that cannot fit even alone is refused naming the pool."""
     with LiveServer(max_concurrency=4, kv_pool_tokens=512, max_context=1024) as s:

@@ -68,7 +68,7 @@ def test_bpe_follows_merge_ranks(tiny_tokenizer, text):
     assert tiny_tokenizer.encode(text, special=False) == expected
 
 
-# The example and one case per split, read off the three expressions in tokenizer.json.
+# A mixed sentence and one case per split, read off the three expressions in tokenizer.json.
 @pytest.mark.parametrize("text, pieces", [
     ("你好，世界。", ["你好", "，", "世界", "。"]),             # CJK runs split off first
     ("12345", ["123", "45"]),                              # digit runs of at most three

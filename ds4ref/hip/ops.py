@@ -328,7 +328,7 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
         return
     # v1 and v2 give bitwise-identical results (tests/gpu checks it), so this choice is
     # free to depend on the shape and even the lane count. Measured on the H200
-    # (docs/perf_ops_gpu.md): v2 wins for matrices of <= 2048 rows, v1 above.
+    # (docs/results/ops_gpu.md): v2 wins for matrices of <= 2048 rows, v1 above.
     if KERNELS == "v1" or n * groups > MATVEC2_MAX_ROWS:
         rt.launch(kernel(rt, "matvec", f"ds4_matvec_{w.wtype}"), (_blocks(n, 16), groups), (256,),
                   (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy)))
@@ -377,7 +377,7 @@ def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
     return 1
 
 
-# measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
+# measured on the H200 (docs/results/ops_gpu.md): r1 wins up to 2048 rows,
 # r2 above at 1 and 16 lanes; r4 (208 registers, one block per SM) never won
 RPW3_POLICY = ((2, 2049),)
 # a prompt pass's dense matvecs: r2 for every matrix (r1 would stage each lane group's inputs
