@@ -25,9 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds4ref.hf import config_to_hf, to_checkpoint_tensors  # noqa: E402
-from ds4ref.tensors import tensor_shapes  # noqa: E402
-from ds4ref.tiny import tiny_config  # noqa: E402
+from ds4ref.convert.hf import config_to_hf, to_checkpoint_tensors  # noqa: E402
+from ds4ref.gguf.tensors import tensor_shapes  # noqa: E402
+from ds4ref.gguf.tiny import tiny_config  # noqa: E402
 
 FP8 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
        "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight")

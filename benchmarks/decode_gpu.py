@@ -18,7 +18,7 @@ median of the repeats; "step" adds the host side (lane upload, argmax download).
 Floor: bytes a pass must read (weights touched: everything but the routed experts, plus
 the distinct experts C rows choose, expected under uniform routing; plus the visible
 KV/indexer history) divided by the measured device copy bandwidth (read + write counted,
-as in docs/perf_ops_gpu.md). The gfx1151 column is the same bytes over 212 GB/s.
+as in docs/results/ops_gpu.md). The gfx1151 column is the same bytes over 212 GB/s.
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ds4ref.gguf.config import CSA  # noqa: E402
 from ds4ref.backend import Row, StepPlan  # noqa: E402
 from ds4ref.reference.layers import Tables  # noqa: E402
 from ds4ref.reference.state import ATTN, INDEX  # noqa: E402
-from ds4ref.tiny import tiny_config  # noqa: E402
+from ds4ref.gguf.tiny import tiny_config  # noqa: E402
 
 GFX1151_GBS = 212.0
 # The upstream PR's own decode figures on Strix Halo (gfx1151), q2 Flash, tok/s at C = 1, 8, 16.
@@ -89,8 +90,8 @@ def history_bytes(cfg, ctx: int, C: int, kv_row: int, index_row: int) -> int:
     n = 0
     for r in cfg.compress_ratios:
         n += min(ctx + 1, cfg.sliding_window) * kv_row
-        if r == 4:
-            n += (ctx + 1) // 4 * index_row + min((ctx + 1) // 4, cfg.indexer_top_k) * kv_row
+        if r == CSA:
+            n += (ctx + 1) // r * index_row + min((ctx + 1) // r, cfg.indexer_top_k) * kv_row
         elif r:
             n += (ctx + 1) // r * kv_row
     return n * C

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import ds4ref
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler.request import Request
 
 

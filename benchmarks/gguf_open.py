@@ -27,9 +27,9 @@ import time
 import gguf
 import numpy as np
 
-from ds4ref.gguf_io import open_gguf, write_gguf
-from ds4ref.tensors import is_int_tensor, tensor_shapes
-from ds4ref.tiny import tiny_config
+from ds4ref.gguf.file import open_gguf, write_gguf
+from ds4ref.gguf.tensors import is_int_tensor, tensor_shapes
+from ds4ref.gguf.tiny import tiny_config
 
 
 class LazyTensor:

@@ -89,9 +89,9 @@ def main() -> None:
     if args.prompt:
         for s in range(16):
             backend.reset_slot(s)
-        feed_prompt(backend, cfg, 0, args.prompt, backend.max_rows, seed=3)
-        kernels, wall = cupti_profile(rt, backend._graphs[backend.max_rows], args.reps)
-        lines += table(f"prompt pass, {backend.max_rows} rows (last of a {args.prompt}-token prompt)",
+        feed_prompt(backend, cfg, 0, args.prompt, backend.max_pass_rows, seed=3)
+        kernels, wall = cupti_profile(rt, backend._graphs[backend.max_pass_rows], args.reps)
+        lines += table(f"prompt pass, {backend.max_pass_rows} rows (last of a {args.prompt}-token prompt)",
                        kernels, wall, args.top)
         print("\n".join(lines[-args.top - 6:]), flush=True)
     Path(args.out).write_text("\n".join(lines))

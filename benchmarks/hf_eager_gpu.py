@@ -3,7 +3,7 @@ benchmarks/decode_gpu.py, for a side-by-side ratio.
 
     python benchmarks/hf_eager_gpu.py [--device cuda] [--lanes 1,16] [--ctx 256]
 
-The model is built from ds4ref.hf.hf_config(flash_config()) in bf16 on the device with
+The model is built from ds4ref.convert.hf.hf_config(flash_config()) in bf16 on the device with
 transformers' own random init (loading our random weights would cost minutes of host
 time and does not change the speed). Decode: a prompt of `ctx` tokens per sequence is
 prefilled, then each timed step feeds one token per sequence with the cache
@@ -34,9 +34,9 @@ def main() -> None:
     import transformers
     from transformers import DeepseekV4ForCausalLM
 
-    from ds4ref.hf import hf_config
+    from ds4ref.convert.hf import hf_config
     if args.tiny:
-        from ds4ref.tiny import tiny_config
+        from ds4ref.gguf.tiny import tiny_config
         cfg = tiny_config(n_layer=4)
     else:
         from decode_gpu import flash_config

@@ -8,7 +8,7 @@ benchmarks/llama_cpp_logits.cpp against it, then feeds BOS plus random ids to bo
 ds4ref runs plain numerics in float64, and official float32 with and without its integer
 products (docs/exactness.md section 2a). A foreign engine: the numbers are a tolerance
 report, not an equality. Default files: the embedded model, an all-f32 tiny file, and
-the q2/q4/mxfp4 policy files (written by python -m ds4ref.tiny).
+the q2/q4/mxfp4 policy files (written by python -m ds4ref.gguf.tiny).
 """
 from __future__ import annotations
 
@@ -79,14 +79,14 @@ def compare(tool: Path, path: Path, n: int, work: Path) -> str:
 
 
 def default_files(work: Path) -> list[Path]:
-    from ds4ref.tiny import default_model_path
+    from ds4ref.gguf.tiny import default_model_path
     files = [Path(default_model_path()), work / "tiny_f32.gguf"]
     if not files[1].exists():
-        subprocess.run([sys.executable, "-m", "ds4ref.tiny", "--all-f32", "--out", str(files[1])], check=True)
+        subprocess.run([sys.executable, "-m", "ds4ref.gguf.tiny", "--all-f32", "--out", str(files[1])], check=True)
     for policy in ("q2", "q4", "mxfp4"):
         f = work / f"tiny_{policy}.gguf"
         if not f.exists():
-            subprocess.run([sys.executable, "-m", "ds4ref.tiny", "--policy", policy, "--out", str(f)], check=True)
+            subprocess.run([sys.executable, "-m", "ds4ref.gguf.tiny", "--policy", policy, "--out", str(f)], check=True)
         files.append(f)
     return files
 

@@ -7,7 +7,7 @@ Times: each op's launches captured 20 times into one graph, replayed; events aro
 replays; warm-up first; median of repeats; weights rotated among copies where one copy would
 sit in L2. Writes a markdown table to --out (and prints it).
 
-    python3 benchmarks/ops_gpu.py --out docs/perf_ops_gpu.md [--lanes 1,16,256] [--ops matvec,attention_paged]
+    python3 benchmarks/ops_gpu.py --out docs/results/ops_gpu.md [--lanes 1,16,256] [--ops matvec,attention_paged]
 """
 from ds4ref.hip.op_cases import main
 

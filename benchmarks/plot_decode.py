@@ -1,10 +1,10 @@
 """Decode tok/s against the lane count C, drawn from the device run's JSON files.
 
-    python benchmarks/plot_decode.py docs/gpu_runs/final/ --out docs/decode_tok_s.png
+    python benchmarks/plot_decode.py docs/results/ --out docs/decode_tok_s.png
 
 Reads perf_decode_gpu.json (8-layer bf16), perf_full_gpu.json (43-layer q2) and, when
 present, hf_eager_gpu.json (transformers, same 8-layer config) from the folder, as
-benchmarks/gpu_check.sh writes them. One panel per model: ds4ref's tok/s at each context,
+benchmarks/gpu_check.sh writes them (docs/results/ holds those of docs/results/decode_gpu.md). One panel per model: ds4ref's tok/s at each context,
 the floor (bytes a pass must read over the measured copy bandwidth), and transformers.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ def feed_prompt(backend, cfg, slot: int, n: int, chunk: int, seed: int) -> list[
         p1 = min(n, p0 + chunk)
         rows = [Row(slot, p, int(toks[p]), want_logits=False, emit=p == n - 1) for p in range(p0, p1)]
         t0 = time.perf_counter()
-        backend.step(StepPlan.from_rows(rows, backend.max_rows))
+        backend.step(StepPlan.from_rows(rows, backend.max_pass_rows))
         times.append(1e3 * (time.perf_counter() - t0))
     return times
 

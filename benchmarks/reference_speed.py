@@ -30,10 +30,10 @@ import numpy as np
 
 import ds4ref
 from ds4ref.backend import Row, StepPlan
-from ds4ref.config import DS4Config
+from ds4ref.gguf.config import DS4Config
 from ds4ref.reference.model import Model
 from ds4ref.reference.numpy_backend import NumpyBackend
-from ds4ref.weights import Weights
+from ds4ref.gguf.weights import Weights
 
 PROMPT, STEPS, SCORE_LEN = 64, 64, 512
 
@@ -88,7 +88,7 @@ def backend_decode(model, c: int) -> float:
     for s in range(c):
         b.reset_slot(s)
         b.set_block_table(s, list(range(s * pages, (s + 1) * pages)))
-    per = max(1, b.max_rows // c)  # prompt rows of each slot per pass
+    per = max(1, b.max_pass_rows // c)  # prompt rows of each slot per pass
     for p in range(0, PROMPT - 1, per):
         span = range(p, min(p + per, PROMPT - 1))
         b.step(StepPlan.from_rows([Row(s, q, int(ids[s, q]), False, False) for s in range(c) for q in span]))
@@ -125,8 +125,8 @@ def tiny_measures(model) -> dict:
 
 def hf_model(model):
     import torch
-    from ds4ref.hf import hf_model as build
-    from ds4ref.tensors import tensor_shapes
+    from ds4ref.convert.hf import hf_model as build
+    from ds4ref.gguf.tensors import tensor_shapes
     cfg = dataclasses.replace(model.config, swiglu_clamp=(model.config.swiglu_clamp[0],) * model.config.n_layer)
     tensors = {n: model.weights.get(n) for n in tensor_shapes(cfg)}
     return build(cfg, tensors, torch.float32)

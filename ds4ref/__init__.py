@@ -8,6 +8,6 @@ __all__ = ["load", "DS4Model", "Request", "Sampling", "Engine"]
 def __getattr__(name):
     # The engine pulls in the scheduler; import it only when asked for.
     if name == "Engine":
-        from .engine import Engine
+        from .scheduler.engine import Engine
         return Engine
     raise AttributeError(name)

@@ -1,7 +1,7 @@
 """The one boundary between the engine and compute: the backend protocol.
 
 A backend owns the physical storage for every slot's paged decode state and
-executes one gathered pass of at most `max_rows` rows (the backend's largest
+executes one gathered pass of at most `max_pass_rows` rows (the backend's largest
 capacity; PREFILL_ROWS unless it says otherwise). A row is one token position
 of one slot. Every decoding slot contributes one row; a prompt may contribute
 a chunk of consecutive positions as several rows of the same pass, beside
@@ -10,7 +10,7 @@ rows' KV, compressor emissions and indexer rows exactly as if they had been
 fed one pass at a time.
 
 Plans are capacity-padded (unused row slots marked invalid) to the smallest
-of MAX_ROWS and max_rows that holds them, so a decode-only pass keeps the
+of DECODE_LANES and max_pass_rows that holds them, so a decode-only pass keeps the
 16-lane shape. The padding is only a host convention: a device backend reads
 plan.rows() and picks its own captured graph (capacity bucket) for that many
 rows.
@@ -22,17 +22,17 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-MAX_ROWS = 16        # decode lanes: the most decoding sequences one pass serves (the 16-lane gathered pass)
-PREFILL_ROWS = 256   # the default most rows of one pass: decode rows plus prompt chunks
+DECODE_LANES = 16    # the most decoding sequences one pass serves (the 16-lane gathered pass)
+PREFILL_ROWS = 256   # the default max_pass_rows: the most rows of one pass, decode rows plus prompt chunks
 PAGE_TOKENS = 128
 
 
-def capacity(n_rows: int, max_rows: int) -> int:
-    """Row slots a plan of n_rows is padded to under a backend of max_rows: MAX_ROWS when
-    that holds it, else max_rows."""
-    if n_rows > max_rows:
-        raise ValueError(f"a pass holds at most {max_rows} rows, got {n_rows}")
-    return min(MAX_ROWS, max_rows) if n_rows <= MAX_ROWS else max_rows
+def capacity(n_rows: int, max_pass_rows: int) -> int:
+    """Row slots a plan of n_rows is padded to under a backend of max_pass_rows: DECODE_LANES when
+    that holds it, else max_pass_rows."""
+    if n_rows > max_pass_rows:
+        raise ValueError(f"a pass holds at most {max_pass_rows} rows, got {n_rows}")
+    return min(DECODE_LANES, max_pass_rows) if n_rows <= DECODE_LANES else max_pass_rows
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Row:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A gathered pass, padded to `capacity(n_rows, max_rows)` row slots.
+    """A gathered pass, padded to `capacity(n_rows, max_pass_rows)` row slots.
 
     Rows of one slot must be consecutive positions in increasing order; the
     backend processes them in that order.
@@ -74,9 +74,9 @@ class StepPlan:
                 if s >= 0]
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Row], max_rows: int = PREFILL_ROWS) -> "StepPlan":
-        """The plan of rows for a backend whose passes hold at most max_rows rows."""
-        n = capacity(len(rows), max_rows)
+    def from_rows(cls, rows: Sequence[Row], max_pass_rows: int = PREFILL_ROWS) -> "StepPlan":
+        """The plan of rows for a backend whose passes hold at most max_pass_rows rows."""
+        n = capacity(len(rows), max_pass_rows)
         last: dict[int, int] = {}
         for r in rows:
             if r.want_logits and not r.emit:
@@ -105,7 +105,7 @@ class StepResult:
 @runtime_checkable
 class Backend(Protocol):
     name: str
-    max_rows: int  # the most rows one pass may hold (the largest capacity)
+    max_pass_rows: int  # the most rows one pass may hold (the largest capacity)
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         """Allocate storage for n_slots slots and a pool of n_pages pages."""
@@ -122,12 +122,12 @@ class Backend(Protocol):
 
 # ---- the protocol's checks, shared by every backend ------------------------------------------
 def check_rows(rows, next_pos: Sequence[int], table_sizes: Sequence[int], page_tokens: int, vocab: int,
-               max_rows: int = MAX_ROWS) -> None:
-    """A pass's rows against the slots' state: at most max_rows rows, slots in range, each slot's
+               max_pass_rows: int = DECODE_LANES) -> None:
+    """A pass's rows against the slots' state: at most max_pass_rows rows, slots in range, each slot's
     rows at consecutive positions from where its state is (in order, once each), every position
     on a mapped page, token ids in the vocabulary. Raises ValueError before any state changes."""
-    if len(rows) > max_rows:
-        raise ValueError(f"a pass holds at most {max_rows} rows, got {len(rows)}")
+    if len(rows) > max_pass_rows:
+        raise ValueError(f"a pass holds at most {max_pass_rows} rows, got {len(rows)}")
     n_slots = len(next_pos)
     expect: dict[int, int] = {}
     for r in rows:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import DS4Config
+from .gguf.config import DS4Config
 from .reference.model import Model
 
 BACKENDS = ("numpy", "hip")
@@ -21,7 +21,7 @@ class DS4Model:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.metadata, self.path, self.backend_name = metadata, path, backend
-        self.notes = list(notes)  # what the loader derived or skipped (gguf_io.effective_metadata)
+        self.notes = list(notes)  # what the loader derived or skipped (gguf/file.effective_metadata)
         self.reference = Model(weights, numerics)
         self.config: DS4Config = self.reference.config
         self.numerics = numerics
@@ -41,7 +41,7 @@ class DS4Model:
 
     @cached_property
     def tokenizer(self):
-        from .tokenizer import Tokenizer
+        from .gguf.tokenizer import Tokenizer
         return Tokenizer.from_gguf(self.metadata)
 
     def make_backend(self, name: str | None = None):
@@ -65,7 +65,7 @@ class DS4Model:
         """Greedy continuation on this model's backend; returns only the new tokens."""
         if self.backend_name == "numpy":
             return self.reference.generate(token_ids, max_new_tokens, stop_ids)
-        from .engine import Engine
+        from .scheduler.engine import Engine
         from .scheduler.request import Request
         return Engine(self, max_concurrency=1).run([Request(list(token_ids), max_new_tokens,
                                                             stop_ids=tuple(stop_ids), ignore_eos=True)])[0]
@@ -74,8 +74,8 @@ class DS4Model:
 def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics: str = "official",
          dtype=np.float32) -> DS4Model:
     """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model."""
-    from .gguf_io import open_gguf
-    from .tiny import default_model_path
+    from .gguf.file import open_gguf
+    from .gguf.tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
     return from_file(open_gguf(path), backend, numerics, dtype)
 

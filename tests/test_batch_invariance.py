@@ -13,7 +13,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import ds4ref
 from ds4ref.backend import StepPlan
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler import Request, Sampling
 
 
@@ -26,7 +26,7 @@ class Recording:
     """Wraps a backend; keeps a copy of every logits row it returns, by request id."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.max_rows = inner, "recording", inner.max_rows
+        self.inner, self.name, self.max_pass_rows = inner, "recording", inner.max_pass_rows
         self.seqs = None  # the SeqEngine's slot -> sequence map, set once the engine exists
         self.logits: dict[int, list[np.ndarray]] = {}
 

@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ds4ref
-from ds4ref.config import ConfigError
+from ds4ref.gguf.config import ConfigError
 from ds4ref.reference import canon
 from ds4ref.reference import ops as ref
-from ds4ref.tiny import tiny_config, write_tiny
+from ds4ref.gguf.tiny import tiny_config, write_tiny
 
 F32, F64 = np.float32, np.float64
 # stated bounds (docs/exactness.md), in units in the last place of the float32 result

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import ds4ref
-from ds4ref.backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, Row, StepPlan
-from ds4ref.engine import Engine
+from ds4ref.backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, Row, StepPlan
+from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler import Request, Sampling, TokenEvent
 from ds4ref.scheduler.hash_backend import reference_tokens
@@ -227,22 +227,23 @@ def test_a_long_prompt_never_stalls_the_decoders(spare):
 
 
 def test_max_batched_rows_outside_its_range_is_refused():
-    max_rows = toy_model().make_backend().max_rows
-    for bad in (0, -1, max_rows + 1):
-        with pytest.raises(ValueError, match=f"max_batched_rows must be in 1..{max_rows}"):
+    max_pass_rows = toy_model().make_backend().max_pass_rows
+    for bad in (0, -1, max_pass_rows + 1):
+        with pytest.raises(ValueError, match=f"max_batched_rows must be in 1..{max_pass_rows}"):
             Engine(toy_model(), 1, max_batched_rows=bad, backend="hash")
     with pytest.raises(ValueError, match="at least max_concurrency"):
         Engine(toy_model(), 4, max_batched_rows=3, backend="hash")
     with pytest.raises(ValueError, match="prompt_quantum"):
         Engine(toy_model(), 1, prompt_quantum=0, backend="hash")
-    for good in (1, max_rows):
+    for good in (1, max_pass_rows):
         assert Engine(toy_model(), 1, max_batched_rows=good, backend="hash").scheduler.max_batched_rows == good
-    assert Engine(toy_model(), 4, backend="hash").scheduler.prompt_quantum == max_rows
+    assert Engine(toy_model(), 4, backend="hash").scheduler.prompt_quantum == max_pass_rows
 
 
 def test_plans_are_padded_to_the_smallest_capacity_that_holds_them():
     row = lambda p: Row(0, p, 1)  # noqa: E731
-    for n, want in ((0, MAX_ROWS), (MAX_ROWS, MAX_ROWS), (MAX_ROWS + 1, PREFILL_ROWS), (PREFILL_ROWS, PREFILL_ROWS)):
+    for n, want in ((0, DECODE_LANES), (DECODE_LANES, DECODE_LANES), (DECODE_LANES + 1, PREFILL_ROWS),
+                    (PREFILL_ROWS, PREFILL_ROWS)):
         plan = StepPlan.from_rows([row(p) for p in range(n)], PREFILL_ROWS)
         assert (plan.slots.size, plan.n_rows) == (want, n)
     assert StepPlan.from_rows([row(0)], 4).slots.size == 4  # a backend smaller than the decode lanes

@@ -17,8 +17,8 @@ from ds4ref.paging.compact import (decode_index_rows, decode_kv_rows, encode_ind
 from ds4ref.reference import ops
 from ds4ref.reference.model import Model
 from ds4ref.reference.numpy_backend import NumpyBackend
-from ds4ref.tiny import random_tensors, tiny_config
-from ds4ref.weights import DictWeights
+from ds4ref.gguf.tiny import random_tensors, tiny_config
+from ds4ref.gguf.weights import DictWeights
 
 F32 = np.float32
 # (head_dim, n_rot): Flash's, the tiny model's, and no RoPE tail at all

@@ -1,4 +1,4 @@
-"""Checkpoint -> GGUF converter (ds4ref.convert) and the checkpoint writer (ds4ref.hf)."""
+"""Checkpoint -> GGUF converter (ds4ref.convert) and the checkpoint writer (ds4ref.convert.hf)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from ds4ref.convert import ConvertError, convert, main
-from ds4ref.gguf_io import open_gguf, stored_values
-from ds4ref.hf import HFError, config_from_hf, config_to_hf, export_checkpoint
-from ds4ref.tensors import tensor_shapes
-from ds4ref.tiny import random_tensors, tiny_config
+from ds4ref.convert.to_gguf import ConvertError, convert, main
+from ds4ref.gguf.file import open_gguf, stored_values
+from ds4ref.convert.hf import HFError, config_from_hf, config_to_hf, export_checkpoint
+from ds4ref.gguf.tensors import tensor_shapes
+from ds4ref.gguf.tiny import random_tensors, tiny_config
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -57,7 +57,7 @@ def test_round_trip(tmp_path, model, names, style, prefix):
 @pytest.mark.parametrize("original_format", [True, False])
 def test_round_trip_through_transformers_save(tmp_path, model, original_format):
     """What transformers itself writes (its hybrid 'original' names, or its own names) converts back."""
-    from ds4ref.hf import hf_model
+    from ds4ref.convert.hf import hf_model
 
     cfg, tensors = model
     hf_model(cfg, tensors, torch.float32).save_pretrained(tmp_path / "ck", save_original_format=original_format)
@@ -232,8 +232,8 @@ def _tokenizer_json(meta: dict, drop_last: bool = False) -> dict:
 
 
 def test_tokenizer_converted(tmp_path, model, official_ck):
-    from ds4ref.convert import _looks_special
-    from ds4ref.tokenizer import Tokenizer, tiny_tokenizer_meta
+    from ds4ref.convert.to_gguf import _looks_special
+    from ds4ref.gguf.tokenizer import Tokenizer, tiny_tokenizer_meta
 
     cfg, _ = model
     meta = tiny_tokenizer_meta(cfg.vocab_size)
@@ -255,8 +255,8 @@ def test_tokenizer_converted(tmp_path, model, official_ck):
 
 
 def test_tokenizer_padded_to_vocab_size(tmp_path, model):
-    from ds4ref.convert import tokenizer_meta
-    from ds4ref.tokenizer import tiny_tokenizer_meta
+    from ds4ref.convert.to_gguf import tokenizer_meta
+    from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
 
     cfg, _ = model
     (tmp_path / "tokenizer.json").write_text(json.dumps(_tokenizer_json(tiny_tokenizer_meta(cfg.vocab_size), True)))

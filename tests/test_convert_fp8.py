@@ -1,4 +1,4 @@
-"""The official FP8/FP4 checkpoint (issue I.4): a synthetic checkpoint in the official layout,
+"""The official FP8/FP4 checkpoint: a synthetic checkpoint in the official layout,
 written by hand (safetensors header + raw bytes, no torch), converts; FP4 experts reach MXFP4
 bit for bit and FP8 weights decode exactly (torch's float8 types are the oracle)."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ from gguf import GGMLQuantizationType as Q
 from hypothesis import given, settings, strategies as st
 
 import ds4ref
-from ds4ref.convert import ConvertError, convert
-from ds4ref.fp8 import fp4_to_mxfp4
-from ds4ref.gguf_io import open_gguf
-from ds4ref.hf import config_to_hf, to_checkpoint_tensors
-from ds4ref.tiny import random_tensors, tiny_config
+from ds4ref.convert.to_gguf import ConvertError, convert
+from ds4ref.convert.fp8 import fp4_to_mxfp4
+from ds4ref.gguf.file import open_gguf
+from ds4ref.convert.hf import config_to_hf, to_checkpoint_tensors
+from ds4ref.gguf.tiny import random_tensors, tiny_config
 
 CFG = tiny_config(n_layer=4, swiglu_clamp=[2.0] * 4)  # transformers: one clamp for all layers
 # spec §2.7: E2M1 codes 0..15 (low nibble = even input index), value = table[code] * 2^(e-127)
@@ -152,16 +152,16 @@ def test_row_chunked_conversion_writes_the_same_file(converted, tmp_path, monkey
     """Large 2-D tensors are converted a block of rows at a time (bounded memory); the file is
     byte for byte the one whole-tensor conversion writes. Chunks of 128 rows and no size
     threshold make every 2-D float and FP8 tensor of the small checkpoint go that way."""
-    from ds4ref import gguf_io
+    from ds4ref.gguf import file as gguf_file
     _, _, d = converted
     whole = tmp_path / "whole.gguf"
-    monkeypatch.setattr(gguf_io, "ROW_CHUNK_MIN_BYTES", 1 << 62)
+    monkeypatch.setattr(gguf_file, "ROW_CHUNK_MIN_BYTES", 1 << 62)
     convert(d / "ck", whole, "q8_0")
-    monkeypatch.setattr(gguf_io, "ROW_CHUNK_MIN_BYTES", 0)
-    monkeypatch.setattr(gguf_io, "ROW_CHUNK", 128)
+    monkeypatch.setattr(gguf_file, "ROW_CHUNK_MIN_BYTES", 0)
+    monkeypatch.setattr(gguf_file, "ROW_CHUNK", 128)
     written = []
-    write_rows = gguf_io._write_rows
-    monkeypatch.setattr(gguf_io, "_write_rows", lambda w, parts: write_rows(w, (written.append(p.nbytes) or p
+    write_rows = gguf_file._write_rows
+    monkeypatch.setattr(gguf_file, "_write_rows", lambda w, parts: write_rows(w, (written.append(p.nbytes) or p
                                                                                for p in parts)))
     parts = tmp_path / "parts.gguf"
     convert(d / "ck", parts, "q8_0")

@@ -7,12 +7,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from ds4ref.config import DS4Config
-from ds4ref.gguf_io import GGUFError, open_gguf, write_gguf
-from ds4ref.tensors import is_int_tensor, tensor_shapes
-from ds4ref.tiny import random_tensors, tiny_config
-from ds4ref.tokenizer import tiny_tokenizer_meta
-from ds4ref.weights import DictWeights, WeightsError
+from ds4ref.gguf.config import DS4Config
+from ds4ref.gguf.file import GGUFError, open_gguf, write_gguf
+from ds4ref.gguf.tensors import is_int_tensor, tensor_shapes
+from ds4ref.gguf.tiny import random_tensors, tiny_config
+from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
+from ds4ref.gguf.weights import DictWeights, WeightsError
 
 # a small 3-layer config (ratios 0, 4, 128) so every test file stays tiny
 CFG = tiny_config(n_layer=3, compress_ratios=[0, 4, 128], n_hash_layers=1)
@@ -117,7 +117,7 @@ def test_metadata_uses_published_types(written):
 
     assert types(p + "block_count") == (V.UINT32, V.UINT32)
     assert types(p + "expert_count") == (V.UINT32, V.UINT32)
-    # u32, not u64: llama.cpp refuses u64 context lengths (ds4ref.consumers)
+    # u32, not u64: llama.cpp refuses u64 context lengths (tests/consumers.py)
     assert types(p + "context_length")[0] == V.UINT32
     assert types(p + "rope.scaling.original_context_length")[0] == V.UINT32
     assert types(p + "expert_gating_func")[0] == V.UINT32

@@ -1,5 +1,5 @@
-"""GGUF both ways (issue I.1): files in llama.cpp's and antirez's conventions load, and the
-files ds4ref writes satisfy every consumer's key and type rules (ds4ref.consumers)."""
+"""GGUF both ways: files in llama.cpp's and antirez's conventions load, and the
+files ds4ref writes satisfy every consumer's key and type rules (tests/consumers.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,11 +11,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
 import ds4ref
-from ds4ref import consumers
-from ds4ref.gguf_io import GGUFError, open_gguf, write_gguf
-from ds4ref.tensors import is_int_tensor
-from ds4ref.tiny import random_tensors, tiny_config, write_tiny
-from ds4ref.tokenizer import tiny_tokenizer_meta
+import consumers
+from ds4ref.gguf.file import GGUFError, open_gguf, write_gguf
+from ds4ref.gguf.tensors import is_int_tensor
+from ds4ref.gguf.tiny import random_tensors, tiny_config, write_tiny
+from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
 from test_gguf import typed_meta
 
 P = "deepseek4."
@@ -158,7 +158,7 @@ def test_refusals_name_the_key(tmp_path, tensors, changes, names):
 def test_written_files_satisfy_every_consumer(tmp_path, own_file):
     tiny = tmp_path / "tiny.gguf"
     write_tiny(tiny)
-    for path in (tiny, own_file, ds4ref.tiny.default_model_path()):
+    for path in (tiny, own_file, ds4ref.gguf.tiny.default_model_path()):
         types = open_gguf(path).value_types
         for consumer in consumers.CONSUMERS:
             assert consumers.problems(consumer, types) == [], (path, consumer)
@@ -176,4 +176,4 @@ def test_consumer_model_refuses_what_llama_cpp_refuses():
 
 def test_docs_carry_the_consumer_table():
     text = (Path(__file__).parents[1] / "docs" / "gguf.md").read_text(encoding="utf-8")
-    assert consumers.markdown_table() in text, "regenerate with python -m ds4ref.consumers"
+    assert consumers.markdown_table() in text, "regenerate with python -m tests.consumers"

@@ -1,4 +1,4 @@
-"""Bad GGUF files (issue H): each is refused at open with one line naming the file
+"""Bad GGUF files: each is refused at open with one line naming the file
 and the key (or tensor), never a Python-internal error or a later crash."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from gguf import GGUFValueType as V
 
 import ds4ref
-from ds4ref.gguf_io import GGUFError, open_gguf
-from ds4ref.tokenizer import tiny_tokenizer_meta
+from ds4ref.gguf.file import GGUFError, open_gguf
+from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
 from test_gguf import CFG, plain_tensors, raw_gguf, typed_meta
 
 P = "deepseek4."
@@ -237,8 +237,8 @@ def _fmt(n: int) -> str:
 
 
 def test_docs_list_every_key_type_and_bound():
-    from ds4ref.config import EPSILONS, INT_BOUNDS, POSITIVE_FLOATS, key_of
-    from ds4ref.metadata import KEY_TYPES
+    from ds4ref.gguf.config import EPSILONS, INT_BOUNDS, POSITIVE_FLOATS, key_of
+    from ds4ref.gguf.metadata import KEY_TYPES
 
     rows = _doc_rows()
     assert {k: t for k, (t, _) in rows.items() if k in KEY_TYPES} == KEY_TYPES

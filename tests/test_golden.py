@@ -2,7 +2,7 @@
 
 Regenerate the files with `python -m tests.golden.make_golden [official plain q2 q4 mxfp4]`
 (only when the model's math, or the tiny generator, is meant to change; say why in the commit).
-The q2/q4/mxfp4 variants run the files `python -m ds4ref.tiny --policy P` writes
+The q2/q4/mxfp4 variants run the files `python -m ds4ref.gguf.tiny --policy P` writes
 (generated into a cache, tests.golden.make_golden.policy_model), in official numerics.
 
 float64 cases run on the NumPy reference (plain NumPy maths; the tolerance 1e-9 is for
@@ -119,9 +119,9 @@ def test_golden_files_record_their_mode():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policy_files_store_the_published_types(policy):
     """q2: IQ2_XXS gate/up + Q2_K down; q4: Q4_K; mxfp4: MXFP4; Q8_0 attention, shared expert,
-    output; F16 HC, compressor, indexer, router, embedding (ds4ref.tiny.POLICIES)."""
-    from ds4ref.gguf_io import open_gguf
-    from ds4ref.tiny import POLICIES as TYPES
+    output; F16 HC, compressor, indexer, router, embedding (ds4ref.gguf.tiny.POLICIES)."""
+    from ds4ref.gguf.file import open_gguf
+    from ds4ref.gguf.tiny import POLICIES as TYPES
     f = open_gguf(policy_model(policy))
     gate_up, down = TYPES[policy]
     want = {"blk.3.ffn_gate_exps.weight": gate_up, "blk.3.ffn_up_exps.weight": gate_up,

@@ -21,7 +21,7 @@ from ds4ref.hip.runtime import DeviceBuffer, Kernel, launch_handle
 from ds4ref.hip.signatures import KernelArgumentError, file_signatures
 from ds4ref.reference.layers import Tables
 from ds4ref.reference.state import ATTN, INDEX
-from ds4ref.tiny import POLICY_DIMS, tiny_config
+from ds4ref.gguf.tiny import POLICY_DIMS, tiny_config
 
 
 class Buf(DeviceBuffer):
@@ -107,7 +107,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
-    assert sorted(backend.programs) == [16, 256] and backend.max_rows == 256
+    assert sorted(backend.programs) == [16, 256] and backend.max_pass_rows == 256
     for L, program in backend.programs.items():
         ops = program.ops
         assert len(ops) > 10 * cfg.n_layer
@@ -179,7 +179,7 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
 
     def step(plan_rows):
         before = len(rt.launches)
-        res = backend.step(StepPlan.from_rows(plan_rows, backend.max_rows))
+        res = backend.step(StepPlan.from_rows(plan_rows, backend.max_pass_rows))
         for r in plan_rows:
             pos[r.slot] += 1
         return res, rt.launches[before:]

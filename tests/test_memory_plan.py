@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ds4ref.serve as serve
-from ds4ref import gguf_io
+from ds4ref import settings
+from ds4ref.gguf import file as gguf_file
 from ds4ref.paging.layout import PageLayout
 from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, weight_bytes
 from ds4ref.serve.__main__ import byte_size, main
@@ -58,7 +59,7 @@ def test_flash_report_prints_the_documented_figures():
 
 
 def test_weights_are_the_files_stored_tensor_bytes(tiny_model_path):
-    f = gguf_io.open_gguf(tiny_model_path)
+    f = gguf_file.open_gguf(tiny_model_path)
     assert weight_bytes(f) == sum(int(t.n_bytes) for t in gguf.GGUFReader(tiny_model_path).tensors)
 
 
@@ -88,9 +89,9 @@ def no_tensor_data(monkeypatch):
     """Reading any tensor's data, building a model or allocating a backend fails the test."""
     def refuse(*a, **k):
         raise AssertionError("the dry run touched tensor data or allocated")
-    monkeypatch.setattr(gguf_io, "decode_tensor", refuse)
-    monkeypatch.setattr(gguf_io.GGUFModelFile, "read", refuse)
-    monkeypatch.setattr(gguf_io.GGUFModelFile, "read_expert", refuse)
+    monkeypatch.setattr(gguf_file, "decode_tensor", refuse)
+    monkeypatch.setattr(gguf_file.GGUFModelFile, "read", refuse)
+    monkeypatch.setattr(gguf_file.GGUFModelFile, "read_expert", refuse)
     monkeypatch.setattr("ds4ref.model.DS4Model.__init__", refuse)
     monkeypatch.setattr("ds4ref.reference.numpy_backend.NumpyBackend.configure", refuse)
 
@@ -200,20 +201,24 @@ class HostRuntime:
         return self.free, 1 << 40
 
 
-@pytest.mark.parametrize("numerics", ["official", "plain"])
-def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics):
+@pytest.mark.parametrize("numerics, compact_kv", [("official", "1"), ("official", "0"), ("plain", "1")])
+def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics, compact_kv, monkeypatch):
     """The plan's pass workspace is, byte for byte, the block tables, lane fields, RoPE tables and
     pass buffers configure allocates; paged history exactly and per-slot state at most the plan's;
-    and configure refuses exactly when the plan's state and workspace exceed 95% of free memory."""
+    and configure refuses exactly when the plan's state and workspace exceed 95% of free memory.
+    The plan and the backend read one storage rule, DS4REF_COMPACT_KV included."""
     from ds4ref.backend import PREFILL_ROWS
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.guards import DeviceMemoryError
     from ds4ref.model import from_file
 
+    monkeypatch.setenv("DS4REF_COMPACT_KV", compact_kv)
     model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, None, 300)
     assert plan.workspace > 0 and plan.workspace_rows == PREFILL_ROWS
+    assert plan.storage == ("compact" if (numerics, compact_kv) == ("official", "1") else "f32")
     rt = HostRuntime()
     backend = HipBackend(from_file(model_file, numerics=numerics).reference, runtime=rt)
+    assert backend.compact == (plan.storage == "compact")
     uploaded = rt.allocated
     with pytest.raises(_Recorded):
         backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
@@ -235,6 +240,20 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics)
         with pytest.raises(_Recorded if fits else DeviceMemoryError):
             backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
         assert (rt.allocated > uploaded) == fits  # a refusal allocates nothing
+
+
+def test_the_memory_plan_follows_compact_kv(tiny_model_path, monkeypatch):
+    """DS4REF_COMPACT_KV=0 keeps official rows float32 on the GPU, and the hip plan counts them so;
+    the numpy backend stores official float32 rows compactly whatever it says."""
+    plans = {}
+    for value in ("1", "0"):
+        monkeypatch.setattr(settings, "SETTINGS", {**settings.SETTINGS, "DS4REF_COMPACT_KV": (value, "")})
+        monkeypatch.delenv("DS4REF_COMPACT_KV", raising=False)
+        for backend in ("hip", "numpy"):
+            plans[backend, value] = serve.plan_start(str(tiny_model_path), backend, "official", 4, None, 1000)[1]
+    assert [plans["hip", v].storage for v in "10"] == ["compact", "f32"]
+    assert plans["hip", "0"].paged > plans["hip", "1"].paged and plans["hip", "0"].slots > plans["hip", "1"].slots
+    assert plans["numpy", "0"].storage == plans["numpy", "1"].storage == "compact"
 
 
 def test_the_dry_run_prints_the_hip_pass_workspace(tiny_model_path, capsys):

@@ -47,7 +47,7 @@ def test_table_covers_the_backends_kernels(monkeypatch):
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.device_weights import DeviceWeights
     from ds4ref.reference.layers import Tables
-    from ds4ref.tiny import tiny_config
+    from ds4ref.gguf.tiny import tiny_config
     from test_hip_program import Buf
     monkeypatch.setattr(K, "view", lambda buf, off, n: Buf(n))
     rt = RecordingRuntime()

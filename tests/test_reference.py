@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from ds4ref.backend import Row, StepPlan
 from ds4ref.reference.model import InputError, Model
 from ds4ref.reference.numpy_backend import NumpyBackend
-from ds4ref.tiny import random_tensors, tiny_config
-from ds4ref.weights import DictWeights
+from ds4ref.gguf.tiny import random_tensors, tiny_config
+from ds4ref.gguf.weights import DictWeights
 
 # Small variants: short windows and top-k so ratio-4 selection, ratio-128 emission and
 # window eviction all happen within ~300 tokens.

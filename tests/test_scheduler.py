@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, target
 
 from ds4ref.backend import StepResult
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler import CohortFailed, FinishEvent, QueueFull, Refused, Request, Sampling, TokenEvent
 from ds4ref.scheduler.hash_backend import HashBackend, reference_tokens
 
@@ -348,7 +348,7 @@ def test_seq_engine_admit_outcomes_and_bad_plans_change_nothing():
     assert (a.status, b.status) == ("admitted", "admitted") and a.slot != b.slot
     assert eng.admit(Request(prompt(3), 4)).status == "busy"
     before = (eng.seqs[a.slot].fed, eng.pool.used_pages, len(be.passes))
-    over_a_pass = Work(b.slot, be.max_rows + 1)  # within b's 300-row prompt, but more than a pass holds
+    over_a_pass = Work(b.slot, be.max_pass_rows + 1)  # within b's 300-row prompt, but more than a pass holds
     for bad in ([Work(a.slot, 4)], [Work(7, 1)], [Work(a.slot, 1), Work(a.slot, 1)], [over_a_pass]):
         with pytest.raises(ValueError):
             eng.step(bad)

@@ -501,7 +501,7 @@ def test_sigterm_shuts_down_gracefully():
 
 
 def test_bench_reports_every_level_as_json(server, capsys):
-    from ds4ref import bench
+    from ds4ref.cli import bench
 
     rc = bench.main(["--url", server.url, "--concurrency", "1,3", "--max-tokens", "5", "--json", "--no-progress",
                      "--warmup-tokens", "2"])
@@ -513,7 +513,7 @@ def test_bench_reports_every_level_as_json(server, capsys):
 
 
 def test_bench_percentile_is_nearest_rank():
-    from ds4ref.bench import percentile
+    from ds4ref.cli.bench import percentile
 
     values = [float(i) for i in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
@@ -523,7 +523,7 @@ def test_bench_percentile_is_nearest_rank():
 # ---- page pressure ----------------------------------------------------------------------------
 
 def test_page_pressure_preempts_instead_of_truncating():
-    """The issue's case, scaled down: a 512-token pool (4 pages), three concurrent requests of
+    """Page pressure, scaled down: a 512-token pool (4 pages), three concurrent requests of
     300 tokens (3 pages each; two are admitted on 2 pages each and then both need a third). Every one comes back whole and equal to its solo run; a request
     that cannot fit even alone is refused naming the pool."""
     with LiveServer(max_concurrency=4, kv_pool_tokens=512, max_context=1024) as s:

@@ -107,7 +107,7 @@ def test_lone_surrogate_prompt_is_a_plain_400(locked):
 
 
 def test_bench_accepts_the_openai_base_url(locked, capsys, monkeypatch):
-    from ds4ref import bench
+    from ds4ref.cli import bench
 
     assert bench.base_url("http://h:1/v1/") == bench.base_url("http://h:1") == "http://h:1"
     with LiveServer(max_concurrency=2, max_context=256) as s:
@@ -128,10 +128,10 @@ def test_busy_port_is_one_line_and_exit_2_without_a_banner():
 
 
 @pytest.mark.parametrize("module, default", [("ds4ref.serve", "(default: 8000)"),
-                                             ("ds4ref.generate", "(default: 32)"),
-                                             ("ds4ref.bench", "(default: http://127.0.0.1:8000)"),
+                                             ("ds4ref.cli.generate", "(default: 32)"),
+                                             ("ds4ref.cli.bench", "(default: http://127.0.0.1:8000)"),
                                              ("ds4ref.convert", "(default: f32)"),
-                                             ("ds4ref.tiny", "(default: 0)")])
+                                             ("ds4ref.gguf.tiny", "(default: 0)")])
 def test_every_cli_help_shows_defaults_and_its_python_m_name(module, default):
     run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith(f"usage: python -m {module} ")

@@ -89,7 +89,7 @@ def test_body_that_never_arrives_is_408_and_the_connection_closed(server):
 # ---- 2. long stop strings ---------------------------------------------------------------------------
 
 def test_stop_strings_over_the_total_limit_are_400(server):
-    """The issue's request: 16 stop strings of 50,000 characters."""
+    """16 stop strings of 50,000 characters."""
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json=dict(GREEDY, prompt="x", max_tokens=16, stop=["z" * 50_000] * 16))
     assert r.status_code == 400

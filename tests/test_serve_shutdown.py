@@ -1,4 +1,4 @@
-"""SIGTERM/SIGINT under load (issue H.10): every client gets a clean end, the log
+"""SIGTERM/SIGINT under load: every client gets a clean end, the log
 has no tracebacks, the process dies by the signal, and a second signal forces it."""
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 import ds4ref
 from ds4ref.serve import build_state
 from ds4ref.serve.chat import render_chat
-from ds4ref.tokenizer import ASSISTANT, BOS, END_THINK, USER
+from ds4ref.gguf.tokenizer import ASSISTANT, BOS, END_THINK, USER
 from serve_helpers import LiveServer
 
 TOK = ds4ref.load().tokenizer

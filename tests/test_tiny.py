@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds4ref.gguf_io import open_gguf
-from ds4ref.tensors import is_int_tensor, tensor_shapes
-from ds4ref.tiny import default_model_path, main, random_tensors, tiny_config, write_tiny
+from ds4ref.gguf.file import open_gguf
+from ds4ref.gguf.tensors import is_int_tensor, tensor_shapes
+from ds4ref.gguf.tiny import default_model_path, main, random_tensors, tiny_config, write_tiny
 
 
 def test_default_config_is_the_specified_one():
@@ -65,7 +65,7 @@ def test_write_tiny_is_deterministic(tmp_path):
 
 
 def test_packaged_file_is_current(tmp_path, tiny_model_path):
-    # Regenerate with: python -m ds4ref.tiny --out ds4ref/data/ds4-tiny.gguf
+    # Regenerate with: python -m ds4ref.gguf.tiny --out ds4ref/data/ds4-tiny.gguf
     write_tiny(tmp_path / "fresh.gguf", seed=0)
     assert tiny_model_path == default_model_path() and tiny_model_path.stat().st_size < 16 << 20
     assert tiny_model_path.read_bytes() == (tmp_path / "fresh.gguf").read_bytes()
@@ -88,7 +88,7 @@ def test_generator_statistics_are_exact(x, n, seed):
     """The statistics behind stored scales: round(log2) without libm, mean/std correctly rounded."""
     import math
     from fractions import Fraction
-    from ds4ref.tiny import exact_mean, exact_std, nearest_log2
+    from ds4ref.gguf.tiny import exact_mean, exact_std, nearest_log2
     if abs(math.log2(x) % 1 - 0.5) > 1e-9:  # away from a half-integer, libm's log2 rounds the same way
         assert nearest_log2(x) == round(math.log2(x))
     values = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
@@ -133,7 +133,7 @@ def test_logits_are_peaked(tiny_weights):
     assert 0.3 < float(logits.std(1).mean()) < 30  # O(1) activations, no blow-up
 
 
-# ---- published-policy files (python -m ds4ref.tiny --policy) -----------------------------------------------------
+# ---- published-policy files (python -m ds4ref.gguf.tiny --policy) -----------------------------------------------------
 
 
 
@@ -143,7 +143,7 @@ def test_logits_are_peaked(tiny_weights):
 def test_random_blocks_are_valid(seed, qtype, std):
     """Random block bytes dequantise (through gguf.quants) to finite values of about the asked std."""
     import gguf
-    from ds4ref.tiny import random_blocks
+    from ds4ref.gguf.tiny import random_blocks
     blocks = random_blocks(np.random.default_rng(seed), qtype, (4, 512), std)
     assert blocks.qtype.name == qtype and blocks.data.dtype == np.uint8
     values = gguf.quants.dequantize(blocks.data, blocks.qtype)
@@ -155,8 +155,8 @@ def test_random_blocks_are_valid(seed, qtype, std):
 
 
 def test_policy_cli_writes_the_policy(tmp_path):
-    from ds4ref.gguf_io import open_gguf
-    from ds4ref.tiny import main
+    from ds4ref.gguf.file import open_gguf
+    from ds4ref.gguf.tiny import main
     main(["--policy", "q2", "--out", str(tmp_path / "q2.gguf"), "--layers", "4"])
     f = open_gguf(tmp_path / "q2.gguf")
     assert f.metadata["ds4ref.tiny_policy"] == "q2" and f.config.n_layer == 4 and f.config.n_embd == 256

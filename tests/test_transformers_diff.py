@@ -1,6 +1,6 @@
 """Differential test: ds4ref (numerics='plain') against transformers' DeepseekV4ForCausalLM.
 
-Both sides read the same random tiny checkpoint, written by ds4ref.hf:
+Both sides read the same random tiny checkpoint, written by ds4ref.convert.hf:
 transformers loads it with from_pretrained (then float64, eager attention and
 eager experts), ds4ref reads the GGUF that ds4ref.convert makes from it. So the
 checkpoint writer, the converter, the GGUF reader and the math are all on the
@@ -25,9 +25,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.deepseek_v4")
 
 import ds4ref  # noqa: E402
-from ds4ref.convert import convert  # noqa: E402
-from ds4ref.hf import export_checkpoint, load_hf_model  # noqa: E402
-from ds4ref.tiny import random_tensors, tiny_config  # noqa: E402
+from ds4ref.convert.to_gguf import convert  # noqa: E402
+from ds4ref.convert.hf import export_checkpoint, load_hf_model  # noqa: E402
+from ds4ref.gguf.tiny import random_tensors, tiny_config  # noqa: E402
 
 REL_TOL = 1e-4
 N_NEW = 6

@@ -32,10 +32,12 @@ import math
 
 import numpy as np
 
-from ..backend import MAX_ROWS, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
+from ..backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
 from ..reference import canon
+from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
-from ..reference.state import ATTN, INDEX
+from ..gguf.config import CSA
+from ..reference.state import ATTN, INDEX, row_kinds
 from . import ops as K
 from .device_state import DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
@@ -59,7 +61,7 @@ class Recorder:
     """Stands in for the runtime while the pass of one bucket (L lanes) is built: launches
     are recorded, not run, so the same list runs eagerly or is captured into a graph."""
 
-    def __init__(self, rt, L: int = MAX_ROWS):
+    def __init__(self, rt, L: int = DECODE_LANES):
         self.rt, self.ops, self.info, self.L = rt, [], rt.info, L
 
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
@@ -83,10 +85,10 @@ class HipBackend:
         self.model = reference_model
         self.cfg = reference_model.config
         self.numerics = reference_model.numerics
-        if prefill_rows < MAX_ROWS:
-            raise ValueError(f"prefill_rows must be >= {MAX_ROWS}, got {prefill_rows}")
-        self.buckets = tuple(sorted({MAX_ROWS, int(prefill_rows)}))
-        self.max_rows = self.buckets[-1]
+        if prefill_rows < DECODE_LANES:
+            raise ValueError(f"prefill_rows must be >= {DECODE_LANES}, got {prefill_rows}")
+        self.buckets = tuple(sorted({DECODE_LANES, int(prefill_rows)}))
+        self.max_pass_rows = self.buckets[-1]
         if runtime is None:
             runtime = open_device(allow_untested_arch)
         self.rt = runtime
@@ -101,8 +103,7 @@ class HipBackend:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
                                  f"numerics, the model runs {self.numerics}")
         self.use_graph = (getenv("DS4REF_HIP_GRAPH") != "0") if use_graph is None else use_graph
-        # official numerics' KV and indexer rows are FP8/FP4 grid values: stored compactly, exactly
-        self.compact = self.numerics == "official" and getenv("DS4REF_COMPACT_KV") != "0"
+        self.compact = kv_storage("hip", self.numerics) == "compact"  # the memory plan's rule
         self._tables()
         self.state: DeviceState | None = None
         self.capture_count = 0
@@ -127,18 +128,18 @@ class HipBackend:
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
         self.rt.bind_thread()
         self._release_state()
-        parts = device_bytes(self.cfg, n_slots, n_pages, page_tokens, self.max_rows, self.compact,
+        parts = device_bytes(self.cfg, n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact,
                              self.quantised_products)
         work = parts["workspace"]
         need = sum(parts.values()) - work
         free, _total = self.rt.mem_info()
         if need + work > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
-                                    f"state and the {self.max_rows}-row pass {work / 2**30:.2f} GiB of workspace, "
+                                    f"state and the {self.max_pass_rows}-row pass {work / 2**30:.2f} GiB of workspace, "
                                     f"{free / 2**30:.2f} GiB is free; use fewer slots or pages")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
-                                 n_lanes=self.max_rows)
+                                 n_lanes=self.max_pass_rows)
         self._rope_tables(rope_positions(self.cfg, n_pages, page_tokens))
         self._alloc_workspace()
         self.programs = {}
@@ -161,7 +162,7 @@ class HipBackend:
         st = self._need_state()
         rows = plan.rows()
         check_rows(rows, st.next_pos, [t.size for t in st.tables], st.page_tokens, self.cfg.vocab_size,
-                   self.max_rows)
+                   self.max_pass_rows)
         order = lane_order([r.slot for r in rows])
         lanes = [rows[i] for i in order]
         st.write_lanes(lane_fields(lanes, st.ratios, st.n_lanes))
@@ -241,7 +242,7 @@ class HipBackend:
             self.rope_cs[kind] = self.rt.upload(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))
 
     def _alloc_workspace(self) -> None:
-        st, L = self.state, self.max_rows  # every bucket's program uses the first lanes of these buffers
+        st, L = self.state, self.max_pass_rows  # every bucket's program uses the first lanes of these buffers
         for name, n in workspace_sizes(self.cfg, L, st.maxp, st.page_tokens, self.quantised_products).items():
             buf = self.rt.malloc(4 * L * n)
             self.rt.memset32(buf, 0, L * n)
@@ -354,7 +355,7 @@ class HipBackend:
         sel = None
         if ratio:
             self._compressor(rec, il, ATTN)
-            if ratio == 4:
+            if ratio == CSA:
                 self._compressor(rec, il, INDEX)
                 sel = self._indexer(rec, il)
         self._attend(rec, il, kv, sel)
@@ -372,13 +373,13 @@ class HipBackend:
         c, ws, st = self.cfg, self._ws, self.state
         ratio = c.ratio(il)
         cs = st.comps[(il, kind)]
-        width, coff = cs.width, (2 if ratio == 4 else 1)
+        width, coff = cs.width, (2 if ratio == CSA else 1)
         pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
         pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
         nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
         self._mv(rec, pre + "_kv.weight", ws["a"], pkv, q8=self._q8_of.get("a"))
         self._mv(rec, pre + "_gate.weight", ws["a"], psc, q8=self._q8_of.get("a"))
-        C = 8 if ratio == 4 else ratio
+        C = 8 if ratio == CSA else ratio
         kso = rec.compile_file("step_state.hip").kernel
         rec.launch(kso("step_comp_gather"), (_blocks(L * C * width, 256),), (256,),
                    (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, cs.prev_kv, cs.prev_sc,
@@ -462,10 +463,9 @@ class HipBackend:
                    (kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), I32(c.sliding_window), I32(c.head_dim),
                     I32(st.row_format(ATTN)), I32(c.n_rot), *lanes))
         ratio = c.ratio(il)
-        kinds = ([ATTN] + ([INDEX] if ratio == 4 else [])) if ratio else []
-        for kind in kinds:
+        for kind in row_kinds(c.layer_kind(il)):
             cs = st.comps[(il, kind)]
-            coff = 2 if ratio == 4 else 1
+            coff = 2 if ratio == CSA else 1
             pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
             pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
             nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
@@ -526,7 +526,7 @@ class HipBackend:
                 K.launch_quantize_q8(rec, x, q8, rec.L * (kk if per_choice else 1), Kc)
             K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk)
             return
-        r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > MAX_ROWS else EXPERT_RPW)
+        r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > DECODE_LANES else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,
                                 self.cfg.n_expert_used)
 

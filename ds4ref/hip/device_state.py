@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import MAX_ROWS, check_block_table
+from ..backend import DECODE_LANES, check_block_table
 from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
-from ..reference.state import ATTN, INDEX
+from ..gguf.config import CSA
+from ..reference.state import ATTN, INDEX, row_kinds
 
 # kernels/step_state.hip's row formats
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2
@@ -53,7 +54,7 @@ def lane_order(slots: Sequence[int]) -> list[int]:
     return sorted(range(len(slots)), key=lambda i: (first[int(slots[i])], i))
 
 
-def lane_fields(rows, ratios: Sequence[int], n_lanes: int = MAX_ROWS) -> np.ndarray:
+def lane_fields(rows, ratios: Sequence[int], n_lanes: int = DECODE_LANES) -> np.ndarray:
     """int32 (len(LANE_FIELDS) + len(ratios), n_lanes) for rows already in lane order.
 
     Padding lanes: slot -1, position 0, token 0, nothing visible. The last rows are
@@ -114,7 +115,7 @@ class DeviceState:
     """All slots' state on the device plus the host mirrors the checks need."""
 
     def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int],
-                 compact: bool = False, n_lanes: int = MAX_ROWS):
+                 compact: bool = False, n_lanes: int = DECODE_LANES):
         self.rt, self.cfg, self.compact = rt, cfg, compact
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
@@ -127,12 +128,11 @@ class DeviceState:
         self.comps: dict[tuple[int, str], CompState] = {}
         self.pages: dict[tuple[int, str], object] = {}
         for il, r in enumerate(cfg.compress_ratios):
-            kinds = [(ATTN, cfg.head_dim)] + ([(INDEX, cfg.indexer_head_dim)] if r == 4 else []) if r else []
-            for kind, width in kinds:
-                coff = 2 if r == 4 else 1
+            for kind in row_kinds(cfg.layer_kind(il)):
+                width, coff = cfg.head_dim if kind == ATTN else cfg.indexer_head_dim, cfg.layer_kind(il).lanes
                 cs = CompState(r, width, self._zeros(n_slots * r * coff * width),
                                self._zeros(n_slots * r * coff * width))
-                if r == 4:
+                if r == CSA:
                     cs.prev_kv = self._zeros(n_slots * 4 * width)
                     cs.prev_sc = self._fill(n_slots * 4 * width, NEG_INF_BITS)
                 self.comps[(il, kind)] = cs
@@ -200,11 +200,11 @@ class DeviceState:
         rt.memset32(view(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes), 0,
                     self.ring_slot_bytes // 4)
         for cs in self.comps.values():
-            coff = 2 if cs.ratio == 4 else 1
+            coff = 2 if cs.ratio == CSA else 1
             n = cs.ratio * coff * cs.width
             for buf in (cs.cur_kv, cs.cur_sc):
                 rt.memset32(view(buf, slot * n * 4, n * 4), 0, n)
-            if cs.ratio == 4:
+            if cs.ratio == CSA:
                 m = 4 * cs.width
                 rt.memset32(view(cs.prev_kv, slot * m * 4, m * 4), 0, m)
                 rt.memset32(view(cs.prev_sc, slot * m * 4, m * 4), NEG_INF_BITS, m)

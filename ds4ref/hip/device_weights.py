@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..progress import progress
+from ..console import progress
 
-from ..tensors import is_int_tensor, tensor_shapes
+from ..gguf.tensors import is_int_tensor, tensor_shapes
 from .guards import check_weight_types
 from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows
 
@@ -113,7 +113,7 @@ class DeviceWeights:
     @classmethod
     def random_flash(cls, rt, config, seed: int = 0, big: int = 1 << 21) -> "DeviceWeights":
         """bf16 random weights for `config`; tensors over `big` elements are made by a kernel."""
-        from ..tiny import _random_tensor
+        from ..gguf.tiny import _random_tensor
         self = cls(rt, config)
         init = rt.compile_file("step_ops.hip").kernel("step_init_bf16")
         for i, (name, shape) in enumerate(tensor_shapes(config).items()):
@@ -146,7 +146,7 @@ class DeviceWeights:
         per (tensor kind, width), at most `template_bytes`, with the std the tiny model's init
         gives; each tensor is tiled from it on the device, row i taking a hashed template row
         (block quants in ops.pack_qrows' layout when `quantised_products`)."""
-        from ..tiny import POLICIES, _EXPERTS, _random_tensor, tiny_dtypes
+        from ..gguf.tiny import POLICIES, _EXPERTS, _random_tensor, tiny_dtypes
         self = cls(rt, config)
         tile = rt.compile_file("step_ops.hip").kernel("step_tile_rows")
         dtypes = tiny_dtypes(config)
@@ -181,8 +181,8 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
     """(device buffer, rows, bytes per row) of valid `qtype` rows `cols` wide (pack_qrows' layout
     when `packed`)."""
     import gguf
-    from ..gguf_io import encode_tensor
-    from ..tiny import _random_tensor, random_blocks
+    from ..gguf.file import encode_tensor
+    from ..gguf.tiny import _random_tensor, random_blocks
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     row_bytes = cols // block * size
     rows = max(1, min(4096, max_bytes // row_bytes))
@@ -201,7 +201,7 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
 
 
 def _gain(suffix: str) -> float:
-    from ..tiny import _gain as tiny_gain
+    from ..gguf.tiny import _gain as tiny_gain
     return tiny_gain(suffix)
 
 

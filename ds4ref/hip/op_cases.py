@@ -75,13 +75,13 @@ def make_weight(seed, n, k, wtype):
     if wtype == "q8_0":
         raw = g.quantize_q8_0(w)
         return raw, g.dequantize_q8_0(raw)
-    from ..tiny import random_blocks
+    from ..gguf.tiny import random_blocks
     raw = random_blocks(np.random.default_rng(seed), wtype.upper(), (n, k), 1.0 / math.sqrt(k)).data
     return raw, g.dequantize(raw, wtype)
 
 
 def canon_qlinear(x, raw, wtype):
-    from ..quant_codes import quant_codes
+    from ..gguf.quant_codes import quant_codes
     return canon.qlinear(x, quant_codes(wtype.upper(), raw))
 
 
@@ -579,8 +579,9 @@ def perf_fp8sim(b, L):
 
 def perf_qat(b, L):
     """The indexer query's QAT: 64 heads x 128, Hadamard rotation then FP4 blocks."""
-    Hi, Di, R = 64, 128, L * 64
-    hq, hr, ho, hh = b.up(b.rnd(R, Di)), b.out((R, Di)), b.out((R, Di)), b.up(ref.hadamard(Di, F32))
+    Di, R = 128, L * 64
+    hq, hr, ho = b.up(b.rnd(R, Di)), b.out((R, Di)), b.out((R, Di))
+    hh = b.up(np.ascontiguousarray(ref.hadamard(Di, F32).T))  # the kernel reads the table transposed
     kh, ke = g.kernel(b.rt, "quant", "ds4_hadamard_rows"), g.kernel(b.rt, "quant", "ds4_e2m1_blocks")
 
     def run():
@@ -781,7 +782,7 @@ def perf(rt, lanes, out_path, only=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Per-op GPU time at DS4 Flash sizes against the "
                                              "memory-bandwidth floor (the op-case table's perf mode)")
-    ap.add_argument("--out", default="docs/perf_ops_gpu.md")
+    ap.add_argument("--out", default="docs/results/ops_gpu.md")
     ap.add_argument("--lanes", default="1,16,256", help="lane counts: decode passes (1, 16), a prompt pass (256)")
     ap.add_argument("--ops", default="", help="comma-separated case names (default: every case with timings)")
     args = ap.parse_args(argv)

@@ -377,7 +377,7 @@ def matvec_rows_per_warp(rt, rows: int, L: int = MAX_LANES) -> int:
     return r
 
 
-# measured on the H200 (docs/perf_ops_gpu.md, run 1 of this table): r1 wins up to 2048 rows,
+# measured on the H200 (docs/results/ops_gpu.md): r1 wins up to 2048 rows,
 # r2 above at 1 and 16 lanes; r4 (208 registers, one block per SM) never won
 RPW3_POLICY = ((2, 2049),)
 # a prompt pass's dense matvecs: r2 for every matrix (r1 would stage each lane group's inputs

@@ -23,8 +23,6 @@ KernelArgumentError naming the kernel and the parameter.
 """
 from __future__ import annotations
 
-import pathlib
-import re
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -33,9 +31,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..settings import getenv
+from .buffers import KERNEL_DIR, DeviceBuffer, load_source  # noqa: F401 - the runtime's surface
 from .signatures import Signature, check_launch, parse_signatures
 
-KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
 HEADER = "ds4_hip.h"
 ENV_RUNTIME = "DS4REF_GPU_RUNTIME"
 
@@ -64,41 +62,6 @@ class DeviceInfo:
 NVRTC_EXACT = ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false")
 HIPRTC_EXACT = ("-ffp-contract=off", "-fno-fast-math", "-fhip-fp32-correctly-rounded-divide-sqrt",
                 "-fno-gpu-flush-denormals-to-zero")
-
-
-def load_source(filename: str) -> str:
-    """Kernel source with the portability header inlined (NVRTC has no include path)."""
-    path = KERNEL_DIR / filename
-    if not path.exists():
-        raise FileNotFoundError(f"kernel source {path} does not exist")
-    seen: set[str] = set()
-
-    def inline(text: str) -> str:
-        # each local header (kernels/*.h) is pasted once, at its first #include;
-        # later includes of it (from other headers) become empty
-        def paste(m: "re.Match[str]") -> str:
-            name = m.group(1)
-            if name in seen:
-                return ""
-            seen.add(name)
-            return inline((KERNEL_DIR / name).read_text())
-        return re.sub(r'^#include "([A-Za-z0-9_]+\.h)"[ \t]*$', paste, text, flags=re.M)
-
-    return inline(path.read_text())
-
-
-class DeviceBuffer:
-    """A device allocation; free() or the runtime's free() releases it."""
-
-    def __init__(self, rt: "Runtime", ptr: int, nbytes: int):
-        self.rt, self.ptr, self.nbytes = rt, int(ptr), int(nbytes)
-
-    def free(self) -> None:
-        if self.ptr:
-            self.rt.free(self)
-
-    def __repr__(self) -> str:
-        return f"DeviceBuffer(0x{self.ptr:x}, {self.nbytes} B)"
 
 
 _ARG_TYPES = (np.int32, np.int64, np.uint32, np.uint64, np.float32, np.float64)

@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .buffers import DeviceBuffer, load_source
+
 
 class KernelSignatureError(ValueError):
     """A kernel's parameter list could not be read, or holds a type no launch can pass."""
@@ -59,7 +61,6 @@ class Signature:
 
     def check(self, args: Sequence[Any]) -> None:
         """Raise KernelArgumentError unless args is what pack_args would pass to these parameters."""
-        from .runtime import DeviceBuffer  # noqa: deferred: runtime imports this module
         where = f"kernel {self.kernel} ({self.source})"
         if len(args) != len(self.params):
             raise KernelArgumentError(
@@ -234,7 +235,6 @@ def _param(text: str, kernel: str, filename: str, objects: dict[str, str], typed
 
 def file_signatures(filename: str) -> dict[str, Signature]:
     """The kernels of one file of ds4ref/hip/kernels, parsed as the runtime compiles it."""
-    from .runtime import load_source
     return parse_signatures(load_source(filename), filename)
 
 

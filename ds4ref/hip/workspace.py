@@ -2,13 +2,18 @@
 
 One sizing for both users: configure checks it against free device memory and allocates by it
 (`workspace_sizes`), and the server's memory plan (paging/plan.py, `--dry-run`) adds it to the
-weights and state, so the plan and the start-up refusal agree. Pure arithmetic: no device.
+weights and state (`with_pass_workspace`), so the plan and the start-up refusal agree. Pure
+arithmetic: no device.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from ..tensors import is_int_tensor, tensor_shapes
+from ..gguf.config import CSA
+from ..gguf.tensors import is_int_tensor, tensor_shapes
+from ..paging.layout import PageLayout
+from ..paging.plan import MemoryPlan
 from . import ops as K
 from .device_state import LANE_FIELDS, DeviceState, max_pages_per_slot
 from .device_weights import is_vector
@@ -24,7 +29,7 @@ def max_keys(cfg, context: int) -> int:
     context = min(context, cfg.context_length)
     most = cfg.sliding_window
     for r in cfg.compress_ratios:
-        if r == 4:
+        if r == CSA:
             most = max(most, cfg.sliding_window + min(cfg.indexer_top_k, context // 4))
         elif r:
             most = max(most, cfg.sliding_window + context // r + 1)
@@ -33,7 +38,7 @@ def max_keys(cfg, context: int) -> int:
 
 def score_capacity(cfg, maxp: int, page_tokens: int) -> int:
     """Indexer scores a lane can have: a slot's ratio-4 rows."""
-    return maxp * (page_tokens // 4) if 4 in cfg.compress_ratios else 1
+    return maxp * (page_tokens // CSA) if CSA in cfg.compress_ratios else 1
 
 
 def attention_slices(cfg, maxp: int, page_tokens: int) -> int:
@@ -71,11 +76,11 @@ def _q8_sizes(prefix: str, width: int) -> dict[str, int]:
     return {f"{prefix}_codes": max(w // 4, 1), f"{prefix}_scales": max(w // 32, 1), f"{prefix}_sums": max(w // 32, 1)}
 
 
-def workspace_sizes(cfg, max_rows: int, maxp: int, page_tokens: int,
+def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
                     quantised_products: bool = False) -> dict[str, int]:
-    """int32/float32 elements per lane of every workspace buffer of a max_rows-lane pass at this
+    """int32/float32 elements per lane of every workspace buffer of a max_pass_rows-lane pass at this
     page geometry (every bucket's program uses the first lanes of these buffers)."""
-    c, L = cfg, max_rows
+    c, L = cfg, max_pass_rows
     D, Di, hc, d = c.head_dim, c.indexer_head_dim, c.hc_mult, c.n_embd
     wmax = max(D, Di)
     cmax = max([8] + [r for r in c.compress_ratios if r])
@@ -117,17 +122,34 @@ def rope_positions(cfg, n_pages: int, page_tokens: int) -> int:
     return min(cfg.context_length, n_pages * page_tokens)
 
 
-def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_rows: int, compact: bool,
+def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
                  quantised_products: bool = False) -> dict[str, int]:
     """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
     compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
-    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_rows-lane pass)."""
+    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_pass_rows-lane pass)."""
     maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
     ratios = {r for r in cfg.compress_ratios if r}
     return {
         "state": DeviceState.bytes_needed(cfg, n_slots, n_pages, page_tokens, compact),
-        "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_rows,
+        "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_pass_rows,
         "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
-        "workspace": 4 * max_rows * sum(workspace_sizes(cfg, max_rows, maxp, page_tokens,
+        "workspace": 4 * max_pass_rows * sum(workspace_sizes(cfg, max_pass_rows, maxp, page_tokens,
                                                         quantised_products).values()),
     }
+
+
+def pass_workspace(config, lanes: int, n_pages: int, page_tokens: int, max_pass_rows: int, storage: str,
+                   numerics: str) -> int:
+    """What configure allocates beside the paged history and the per-slot state: block tables,
+    lane fields, RoPE tables and the max_pass_rows-row pass's buffers (official numerics' products
+    with quantised weights take int8 activations, whose scratch is part of the workspace)."""
+    layout = PageLayout(config, page_tokens)
+    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_pass_rows, storage == "compact",
+                                 numerics == "official").values())
+    return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
+
+
+def with_pass_workspace(plan: MemoryPlan, max_pass_rows: int, numerics: str) -> MemoryPlan:
+    """The server's memory plan with the hip backend's pass workspace counted."""
+    return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
+                                                  max_pass_rows, plan.storage, numerics), workspace_rows=max_pass_rows)

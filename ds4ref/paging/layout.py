@@ -1,8 +1,8 @@
 """Where each piece of a sequence's decode state lives.
 
 Paged (grows with the sequence, 128 token positions per page):
-  ratio-4 layers:   page_tokens/4 compressed KV rows and as many indexer rows per page
-  ratio-128 layers: page_tokens/128 compressed KV rows per page (one for 128-token pages)
+  CSA layers (ratio 4):   page_tokens/4 compressed KV rows and as many indexer rows per page
+  HCA layers (ratio 128): page_tokens/128 compressed KV rows per page (one for 128-token pages)
 Per slot, not paged (fixed size):
   the raw sliding window, a ring of `sliding_window` rows per layer
   the compressor partial-window and overlap state per compressed layer
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import PAGE_TOKENS
-from ..config import DS4Config
+from ..settings import getenv
+from ..gguf.config import CSA, DS4Config
 from .compact import index_row_bytes, kv_row_bytes
 
 
@@ -52,8 +53,8 @@ class PageLayout:
         for r in self.cfg.compress_ratios:
             if r:
                 kv += self.rows_per_page(r)
-            if r == 4:
-                ix += self.rows_per_page(4)
+            if r == CSA:
+                ix += self.rows_per_page(r)
         return kv, ix
 
     def ring_rows(self) -> int:
@@ -65,7 +66,7 @@ class PageLayout:
         bound on what the backends allocate (they keep 4 previous rows at 1x width, not 2x)."""
         c, n = self.cfg, 0
         for r in c.compress_ratios:
-            if r == 4:
+            if r == CSA:
                 # previous window lane A + current window, kv and score, 2*D wide
                 n += 2 * (2 * 4) * (2 * c.head_dim)
                 # the indexer compressor: same at 2 * indexer_head_dim wide (the upstream
@@ -101,12 +102,18 @@ STORAGES = ("f32", "f64", "compact")
 STATE_ITEMSIZE = {"f32": 4, "f64": 8, "compact": 4}
 
 
-def kv_storage(dtype, numerics: str) -> str:
-    """The storage NumpyBackend uses: compact for official float32 (every stored row is
-    on the FP8/FP4 grid); float64 official keeps float64 rows (its role is the differential)."""
-    if np.dtype(dtype) == np.float32:
-        return "compact" if numerics == "official" else "f32"
-    return "f64"
+def kv_storage(backend: str, numerics: str, dtype="float32") -> str:
+    """How `backend` ("numpy" or "hip") holds stored KV and indexer rows: the one rule the
+    backends and the memory plan share. Official float32 rows are FP8/FP4 grid values, so they
+    are held compactly, exactly; DS4REF_COMPACT_KV=0 keeps them float32 on the GPU. float64
+    (the numpy backend's differential role) keeps float64 rows; the hip backend works in float32."""
+    if backend != "numpy":
+        dtype = "float32"
+    if np.dtype(dtype) != np.float32:
+        return "f64"
+    if numerics != "official" or (backend == "hip" and getenv("DS4REF_COMPACT_KV") == "0"):
+        return "f32"
+    return "compact"
 
 
 def kv_row_nbytes(cfg: DS4Config, storage: str) -> int:

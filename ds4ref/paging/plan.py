@@ -3,8 +3,8 @@
 From the config, the weights' stored bytes (the GGUF header gives them) and the serving
 flags: the weights, the paged KV history (pool pages x bytes per page), the per-slot
 fixed state (raw rings + compressor state), the hip backend's pass workspace (what
-HipBackend.configure allocates beside the state, from hip/workspace.device_bytes, the
-sizing configure itself uses) and their total; and, to compare the two
+HipBackend.configure allocates beside the state: hip/workspace.with_pass_workspace adds it,
+from the sizing configure itself uses) and their total; and, to compare the two
 storage forms, bytes per token of context and per slot as float32 and as compact rows.
 Sizes come from PageLayout, the pool size from pool_pages (what SeqEngine allocates).
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..backend import PAGE_TOKENS
-from ..config import DS4Config
-from .layout import PageLayout, kv_storage
+from ..gguf.config import DS4Config
+from .layout import PageLayout
 from .pool import pool_pages
 
 
@@ -33,7 +33,7 @@ class MemoryPlan:
     lanes: int
     context: int        # per-request context limit
     n_pages: int
-    storage: str        # how the backend holds KV rows (layout.STORAGES)
+    storage: str        # how the backend holds KV rows (layout.kv_storage)
     page_tokens: int = PAGE_TOKENS
     workspace: int = 0  # the backend's allocations beside weights and state (hip: pass_workspace)
     workspace_rows: int = 0  # the largest pass the workspace serves
@@ -69,36 +69,9 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens)
 
 
-def pass_workspace(config: DS4Config, lanes: int, n_pages: int, page_tokens: int, max_rows: int,
-                   storage: str) -> int:
-    """What HipBackend.configure allocates beside the paged history and the per-slot state: block
-    tables, lane fields, RoPE tables and the max_rows-row pass's buffers (hip/workspace.py, the
-    sizing configure checks and allocates by)."""
-    from ..hip.workspace import device_bytes
-    layout = PageLayout(config, page_tokens)
-    # compact rows are official numerics on the hip backend, whose products with quantised
-    # weights take int8 activations (their scratch is part of the workspace)
-    official = storage == "compact"
-    allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_rows, official, official).values())
-    return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
-
-
-def with_pass_workspace(plan: MemoryPlan, max_rows: int) -> MemoryPlan:
-    """The plan with the hip backend's pass workspace counted."""
-    from dataclasses import replace
-    return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
-                                                  max_rows, plan.storage), workspace_rows=max_rows)
-
-
-def backend_storage(backend: str, numerics: str, dtype="float32") -> str:
-    """How a backend holds KV rows: NumpyBackend's rule; the HIP backend works in float32, so
-    the same rule at float32 (hip/device_state.py stores compact rows in official numerics)."""
-    return kv_storage(dtype if backend == "numpy" else "float32", numerics)
-
-
 def weight_bytes(model_file) -> int:
     """Stored bytes of the tensors the forward pass reads, from the GGUF directory (no data read)."""
-    from ..tensors import tensor_shapes
+    from ..gguf.tensors import tensor_shapes
     return sum(model_file.tensors[name].n_bytes for name in tensor_shapes(model_file.config))
 
 
@@ -167,7 +140,7 @@ def storage_lines(plan: MemoryPlan) -> list[str]:
 
 def flash_config() -> DS4Config:
     """DeepSeek V4 Flash's dimensions (spec §1); only the sizes matter here."""
-    from ..tiny import flash_ratio
+    from ..gguf.tiny import flash_ratio
     n = 43
     return DS4Config(
         n_layer=n, n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, n_rot=64, q_lora_rank=1024,

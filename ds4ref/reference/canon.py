@@ -25,7 +25,7 @@ import numba
 import numpy as np
 from numba.extending import intrinsic
 
-from ..quant_codes import QBLOCK, QHALF, QuantCodes
+from ..gguf.quant_codes import QBLOCK, QHALF, QuantCodes
 
 F32 = np.float32
 LANES = 32            # a warp

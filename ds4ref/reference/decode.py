@@ -18,10 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
+from ..gguf.config import CSA
 from . import ops
 from .layers import (LayerWeights, Tables, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
                      indexer_query, project_qkv)
-from .state import ATTN, INDEX
+from .state import ATTN, INDEX, row_kinds
 
 
 @dataclass
@@ -65,7 +66,7 @@ def compressor_feed(st, pos: int, kv: np.ndarray, score: np.ndarray):
     st.cur_score[pos % ratio] = score
     if (pos + 1) % ratio:
         return None
-    if ratio == 4:  # candidates: previous window's lane A, this window's lane B
+    if ratio == CSA:  # candidates: previous window's lane A, this window's lane B
         kv = np.concatenate([st.prev_kv, st.cur_kv[:, d:]])
         score = np.concatenate([st.prev_score, st.cur_score[:, d:]])
         st.prev_kv[:] = st.cur_kv[:, :d]
@@ -113,7 +114,7 @@ def visible_compressed(lw, cfg, tables, numerics, rows: Rows, il, a, qr, cos, si
     ratio, top_k = cfg.ratio(il), cfg.indexer_top_k
     n = (rows.positions + 1) // ratio
     out = history(rows, il, n)
-    pick = np.nonzero(n > top_k)[0] if ratio == 4 else []
+    pick = np.nonzero(n > top_k)[0] if ratio == CSA else []
     if len(pick) == 0:
         return out
     qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick])
@@ -138,10 +139,9 @@ def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
     if numerics == "official":
         kv = ops.fp8sim(kv, cfg.n_rot)
     keys = raw_keys(rows, il, kv)
-    if ratio:
-        compress(lw, ATTN, rows, il, a, tables, numerics, cfg)
-        if ratio == 4:
-            compress(lw, INDEX, rows, il, a, tables, numerics, cfg)
+    if cfg.layer_kind(il).compressed:
+        for kind in row_kinds(cfg.layer_kind(il)):
+            compress(lw, kind, rows, il, a, tables, numerics, cfg)
         comp = visible_compressed(lw, cfg, tables, numerics, rows, il, a, qr, cos, sin)
         keys = [[k, c] for k, c in zip(keys, comp)]
     else:

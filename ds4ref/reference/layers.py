@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DS4Config
+from ..gguf.config import DS4Config
 from . import ops
 
 NUMERICS = ("official", "plain")

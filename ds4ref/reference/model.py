@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config import DS4Config
+from ..gguf.config import DS4Config
 from .decode import Rows, decode_rows, decode_step
 from .layers import NUMERICS, Tables
 from .ops import batch_invariant

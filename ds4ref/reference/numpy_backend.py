@@ -20,7 +20,7 @@ from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_blo
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
-from .state import ATTN, INDEX, make_compressors, raw_window
+from .state import ATTN, INDEX, make_compressors, raw_window, row_kinds
 
 
 class PagedSeqView:
@@ -55,10 +55,10 @@ class PagedSeqView:
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model, max_rows: int = PREFILL_ROWS) -> None:
+    def __init__(self, model, max_pass_rows: int = PREFILL_ROWS) -> None:
         self.model, self.cfg, self.dtype = model, model.config, model.dtype
-        self.max_rows = max_rows
-        self.storage = kv_storage(self.dtype, model.numerics)  # how KV / indexer rows are held
+        self.max_pass_rows = max_pass_rows
+        self.storage = kv_storage("numpy", model.numerics, self.dtype)  # how KV / indexer rows are held
         self.layout: PageLayout | None = None
 
     def describe(self) -> str:
@@ -72,8 +72,7 @@ class NumpyBackend:
         self.comps = [make_compressors(cfg, dt) for _ in range(n_slots)]
         self.pages: dict[tuple[int, str], np.ndarray] = {}
         for il, r in enumerate(cfg.compress_ratios):
-            kinds = [ATTN] + ([INDEX] if r == 4 else []) if r else []
-            for kind in kinds:
+            for kind in row_kinds(cfg.layer_kind(il)):
                 self.pages[(il, kind)] = np.zeros((n_pages, self.layout.rows_per_page(r), self._width(kind)),
                                                   self._row_dtype)
         self.block_tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
@@ -150,4 +149,4 @@ class NumpyBackend:
         if self.layout is None:
             raise RuntimeError("backend not configured: call configure(n_slots, n_pages) first")
         check_rows(rows, self.next_pos, [t.size for t in self.block_tables], self.layout.page_tokens,
-                   self.cfg.vocab_size, self.max_rows)
+                   self.cfg.vocab_size, self.max_pass_rows)

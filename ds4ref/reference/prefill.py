@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..gguf.config import CSA
 from . import ops
 from .layers import (LayerWeights, Tables, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
                      indexer_query, project_qkv)
@@ -18,7 +19,7 @@ def window_candidates(c: np.ndarray, g: np.ndarray, ratio: int, width: int):
     n_w = c.shape[0] // ratio
     c = c[: n_w * ratio].reshape(n_w, ratio, c.shape[-1])
     g = g[: n_w * ratio].reshape(n_w, ratio, g.shape[-1])
-    if ratio != 4:
+    if ratio != CSA:
         return c, g
     prev_c = np.concatenate([np.zeros_like(c[:1, :, :width]), c[:-1, :, :width]])
     prev_g = np.concatenate([np.full_like(g[:1, :, :width], -np.inf), g[:-1, :, :width]])
@@ -45,7 +46,7 @@ def compressed_mask(cfg, tables, numerics, lw, il, a, qr, cos, sin) -> tuple[np.
     rows = compressed_rows(lw, cfg, tables, numerics, a, ratio, "attn_compressor", cfg.head_dim, False)
     n_visible = (np.arange(t) + 1) // ratio
     mask = np.arange(rows.shape[0])[None, :] < n_visible[:, None]
-    if ratio == 4 and rows.shape[0] > cfg.indexer_top_k:
+    if ratio == CSA and rows.shape[0] > cfg.indexer_top_k:
         keys = compressed_rows(lw, cfg, tables, numerics, a, 4, "indexer_compressor",
                                cfg.indexer_head_dim, True)
         qi, wts = indexer_query(lw, cfg, tables, numerics, a, qr, cos, sin)
@@ -69,7 +70,7 @@ def attention_block(lw, cfg, tables, numerics, il, streams):
     pos = np.arange(t)
     keys = kv
     mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.sliding_window)
-    if ratio:
+    if cfg.layer_kind(il).compressed:
         rows, cmask = compressed_mask(cfg, tables, numerics, lw, il, a, qr, cos, sin)
         keys = np.concatenate([kv, rows])
         mask = np.concatenate([mask, cmask], axis=1)

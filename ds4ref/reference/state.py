@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import DS4Config
+from ..gguf.config import CSA, DS4Config, LayerKind
 
 ATTN, INDEX = "attn", "index"
+
+
+def row_kinds(layer_kind: LayerKind) -> list[str]:
+    """The compressed rows a layer stores: KV rows on compressed layers, indexer rows too on CSA."""
+    return [ATTN, INDEX] if layer_kind is CSA else [ATTN] if layer_kind.compressed else []
 
 
 class CompressorState:
@@ -27,29 +32,28 @@ class CompressorState:
     """
 
     def __init__(self, ratio: int, width: int, dtype) -> None:
-        coff = 2 if ratio == 4 else 1
+        coff = LayerKind(ratio).lanes
         self.ratio, self.width = ratio, width
         self.cur_kv = np.zeros((ratio, coff * width), dtype)
         self.cur_score = np.zeros((ratio, coff * width), dtype)
-        if ratio == 4:
+        if ratio == CSA:
             self.prev_kv = np.zeros((4, width), dtype)
             self.prev_score = np.full((4, width), -np.inf, dtype)
 
     def reset(self) -> None:
         self.cur_kv[:] = 0
         self.cur_score[:] = 0
-        if self.ratio == 4:
+        if self.ratio == CSA:
             self.prev_kv[:] = 0
             self.prev_score[:] = -np.inf
 
 
 def make_compressors(cfg: DS4Config, dtype) -> dict[tuple[int, str], CompressorState]:
     comps = {}
+    width = {ATTN: cfg.head_dim, INDEX: cfg.indexer_head_dim}
     for il, r in enumerate(cfg.compress_ratios):
-        if r:
-            comps[(il, ATTN)] = CompressorState(r, cfg.head_dim, dtype)
-        if r == 4:
-            comps[(il, INDEX)] = CompressorState(4, cfg.indexer_head_dim, dtype)
+        for kind in row_kinds(cfg.layer_kind(il)):
+            comps[(il, kind)] = CompressorState(r, width[kind], dtype)
     return comps
 
 

@@ -78,6 +78,6 @@ def warm_up(reference) -> float:
     bos = reference.config.bos_id
     last = [p == WARM_ROWS - 1 for p in range(WARM_ROWS)]
     backend.step(StepPlan.from_rows([Row(0, p, bos, last[p], last[p]) for p in range(WARM_ROWS)],
-                                    backend.max_rows))
-    backend.step(StepPlan.from_rows([Row(0, WARM_ROWS, bos)], backend.max_rows))
+                                    backend.max_pass_rows))
+    backend.step(StepPlan.from_rows([Row(0, WARM_ROWS, bos)], backend.max_pass_rows))
     return time.perf_counter() - t0

@@ -27,8 +27,8 @@ class ProtocolError(AssertionError):
 class HashBackend:
     name = "hash"
 
-    def __init__(self, vocab_size: int = 32, max_rows: int = PREFILL_ROWS):
-        self.vocab_size, self.max_rows = vocab_size, max_rows
+    def __init__(self, vocab_size: int = 32, max_pass_rows: int = PREFILL_ROWS):
+        self.vocab_size, self.max_pass_rows = vocab_size, max_pass_rows
         self.passes: list[StepPlan] = []  # every plan seen, for tests to inspect
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
@@ -65,7 +65,7 @@ class HashBackend:
         rows = plan.rows()
         try:
             check_rows(rows, self.length, [len(t) for t in self.tables], self.page_tokens, self.vocab_size,
-                       self.max_rows)
+                       self.max_pass_rows)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         self.passes.append(plan)

@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from typing import Optional
 
-from ..cli import plural
+from ..console import plural
 from .request import Event, FinishEvent, Refused, Request, TokenEvent
 from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
 
@@ -63,7 +63,7 @@ class Scheduler:
                  max_batched_rows: Optional[int] = None):
         """max_queue: requests that may wait beyond those the free slots will take at the
         next pass (None = unbounded). max_batched_rows: most rows of one pass, decode rows
-        included (None = the backend's max_rows); it bounds a pass's time, hence decoders'
+        included (None = the backend's max_pass_rows); it bounds a pass's time, hence decoders'
         inter-token latency while a long prompt runs. prompt_quantum: most prompt rows one
         sequence gets per pass (None = max_batched_rows; 1 = upstream's exact mode)."""
         self.max_batched_rows = batched_rows(engine, max_batched_rows)
@@ -287,12 +287,12 @@ class Scheduler:
 
 
 def batched_rows(engine: SeqEngine, max_batched_rows: Optional[int]) -> int:
-    """The pass size: the backend's max_rows by default; never below max_concurrency, so
+    """The pass size: the backend's max_pass_rows by default; never below max_concurrency, so
     every decoder gets its row in every pass (vLLM likewise wants max_num_batched_tokens >=
     max_num_seqs)."""
-    n = engine.max_rows if max_batched_rows is None else max_batched_rows
-    if not 1 <= n <= engine.max_rows:
-        raise ValueError(f"max_batched_rows must be in 1..{engine.max_rows} (the most rows one pass "
+    n = engine.max_pass_rows if max_batched_rows is None else max_batched_rows
+    if not 1 <= n <= engine.max_pass_rows:
+        raise ValueError(f"max_batched_rows must be in 1..{engine.max_pass_rows} (the most rows one pass "
                          f"of the {engine.backend.name} backend holds), got {n}")
     if n < engine.max_concurrency:
         raise ValueError(f"max_batched_rows ({n}) must be at least max_concurrency ({engine.max_concurrency}): "

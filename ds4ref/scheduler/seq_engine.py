@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..cli import plural
-from ..backend import MAX_ROWS, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
+from ..console import plural
+from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
 from .request import Request
@@ -98,14 +98,14 @@ class SeqEngine:
                  kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
                  max_context: Optional[int] = None, page_order_seed: Optional[int] = None):
         """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them).
-        max_concurrency: live sequences, at most the decode lanes (MAX_ROWS, or the backend's
-        max_rows if smaller), since every one of them may be decoding in the same pass."""
-        lanes = min(MAX_ROWS, backend.max_rows)
+        max_concurrency: live sequences, at most the decode lanes (DECODE_LANES, or the backend's
+        max_pass_rows if smaller), since every one of them may be decoding in the same pass."""
+        lanes = min(DECODE_LANES, backend.max_pass_rows)
         if not 1 <= max_concurrency <= lanes:
             raise ValueError(f"max_concurrency must be in 1..{lanes} (decode lanes), got {max_concurrency}")
         self.backend = backend
         self.config = config
-        self.max_rows = backend.max_rows  # the most rows of one pass
+        self.max_pass_rows = backend.max_pass_rows  # the most rows of one pass
         self.max_concurrency = max_concurrency
         self.max_context = int(max_context or config.context_length)
         if not 1 < self.max_context <= config.context_length:
@@ -201,7 +201,7 @@ class SeqEngine:
     def step(self, work: Sequence[Work]) -> list[Outcome]:
         rows = self._rows(work)
         self._map_pages(work)
-        result = self.backend.step(StepPlan.from_rows(rows, self.max_rows))
+        result = self.backend.step(StepPlan.from_rows(rows, self.max_pass_rows))
         self._check(rows, result)
         outcomes = self._advance(work, result)
         self.blocks.top_up([s.slot for s in self.live()])
@@ -211,8 +211,8 @@ class SeqEngine:
         """Validate the plan and lay out its rows; changes nothing."""
         if len({w.slot for w in work}) != len(work):
             raise ValueError("a slot appears twice in one pass")
-        if sum(w.rows for w in work) > self.max_rows:
-            raise ValueError(f"a pass holds at most {self.max_rows} rows, plan has {sum(w.rows for w in work)}")
+        if sum(w.rows for w in work) > self.max_pass_rows:
+            raise ValueError(f"a pass holds at most {self.max_pass_rows} rows, plan has {sum(w.rows for w in work)}")
         rows: list[Row] = []
         for w in work:
             s = self.seqs.get(w.slot)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..backend import MAX_ROWS as MAX_LANES  # decode lanes: one pass serves every decoding sequence
+from ..backend import DECODE_LANES
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -59,13 +59,14 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
-    from ..gguf_io import open_gguf
+    from ..gguf.file import open_gguf
     from ..backend import PREFILL_ROWS
-    from ..paging.plan import backend_storage, make_plan, weight_bytes, with_pass_workspace
-    from ..tiny import default_model_path
+    from ..paging.layout import kv_storage
+    from ..paging.plan import make_plan, weight_bytes
+    from ..gguf.tiny import default_model_path
 
-    if not 1 <= max_concurrency <= MAX_LANES:
-        raise ValueError(f"--max-concurrency must be in 1..{MAX_LANES}, got {max_concurrency}")
+    if not 1 <= max_concurrency <= DECODE_LANES:
+        raise ValueError(f"--max-concurrency must be in 1..{DECODE_LANES}, got {max_concurrency}")
     if max_batched_rows is not None and max_batched_rows < max_concurrency:
         raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at least --max-concurrency "
                          f"({max_concurrency}): every decoding request needs its row in every pass")
@@ -79,9 +80,10 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
                          f"got {max_context}")
     # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
     plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
-                     kv_pool_tokens, backend_storage(backend, numerics))
+                     kv_pool_tokens, kv_storage(backend, numerics))
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
-        plan = with_pass_workspace(plan, PREFILL_ROWS)
+        from ..hip.workspace import with_pass_workspace
+        plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
     return model_file, plan
 
 

@@ -7,11 +7,11 @@ import logging
 import re
 import socket
 import sys
-from ..cli import HelpFormatter
+from ..console import HelpFormatter
 from ..settings import getenv
 
 from ..backend import PREFILL_ROWS
-from . import MAX_LANES
+from . import DECODE_LANES
 from .connections import HEADER_TIMEOUT_S
 
 
@@ -27,7 +27,7 @@ def _int_in(text: str, lo: int, hi: int | None, why: str = "") -> int:
 
 
 def lanes(text: str) -> int:
-    return _int_in(text, 1, MAX_LANES, f" (one pass serves at most {MAX_LANES} decoding requests)")
+    return _int_in(text, 1, DECODE_LANES, f" (one pass serves at most {DECODE_LANES} decoding requests)")
 
 
 def positive(text: str) -> int:
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
                    help="FP8/FP4 simulation on (official) or off (plain)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 for remote clients)")
     p.add_argument("--port", type=int, default=8000, help="listen port")
-    p.add_argument("--max-concurrency", type=lanes, default=16, help=f"decode lanes, 1..{MAX_LANES}")
+    p.add_argument("--max-concurrency", type=lanes, default=16, help=f"decode lanes, 1..{DECODE_LANES}")
     p.add_argument("--kv-pool-tokens", type=positive, default=None,
                    help="size of the shared KV page pool in tokens (needs --max-concurrency > 1; "
                         "default: every lane can reach the full context)")

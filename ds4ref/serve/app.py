@@ -23,7 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..cli import plural
+from ..console import plural
 from ..scheduler.request import FinishEvent, Refused, Request, Sampling, TokenEvent
 from ..scheduler.scheduler import QueueFull
 from .chat import DSML, ChatTemplateError, encode_chat, encode_prompt, thinking_requested

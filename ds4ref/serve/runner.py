@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ..cli import plural
+from ..console import plural
 from ..scheduler.request import Event, FinishEvent, Request
 from ..scheduler.scheduler import CohortFailed
 from .metrics import Metrics

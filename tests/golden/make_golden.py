@@ -4,7 +4,7 @@
     python -m tests.golden.make_golden q2 q4    # only those
 
 tiny_{official,plain}.json: the embedded ds4-tiny. tiny_{q2,q4,mxfp4}_official.json: the
-tiny files of `python -m ds4ref.tiny --policy P` (seed 0), which are generated, not
+tiny files of `python -m ds4ref.gguf.tiny --policy P` (seed 0), which are generated, not
 packaged (each is 7-10 MB): policy_model(P) writes them to a cache directory, and the
 golden records the file's sha256, so a change in the generator is told apart from a
 change in the math. The variants use official numerics and prompts up to 203 tokens
@@ -39,8 +39,8 @@ POLICY_SEED = 0
 
 
 def policy_model(policy: str) -> Path:
-    """The tiny file of `python -m ds4ref.tiny --policy POLICY --seed 0`, written once per cache."""
-    from ds4ref.tiny import write_tiny
+    """The tiny file of `python -m ds4ref.gguf.tiny --policy POLICY --seed 0`, written once per cache."""
+    from ds4ref.gguf.tiny import write_tiny
     cache = Path(os.environ.get("DS4REF_GOLDEN_CACHE", Path(tempfile.gettempdir()) / "ds4ref-golden"))
     path = cache / f"tiny_{policy}_seed{POLICY_SEED}.gguf"
     if not path.is_file():
@@ -108,7 +108,7 @@ def make(numerics: str, model_path=None, lengths=PROMPT_LENGTHS, model: str = "e
 def make_policy(policy: str) -> dict:
     path = policy_model(policy)
     g = make("official", path, POLICY_PROMPT_LENGTHS,
-             model=f"python -m ds4ref.tiny --policy {policy} --seed {POLICY_SEED}")
+             model=f"python -m ds4ref.gguf.tiny --policy {policy} --seed {POLICY_SEED}")
     g.update(policy=policy, model_sha256=file_sha256(path))
     return g
 

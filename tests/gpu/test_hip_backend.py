@@ -6,7 +6,7 @@ comparison here is bitwise, in both numerics:
     boundaries and the indexer's selection threshold, fed in ragged passes;
 (b) tokens and logprobs equal NumpyBackend's under the shared Engine for random request
     mixes (long ragged prompts, arrivals, cancellations, prompt quanta 1 and 16, greedy,
-    seeded sampling, penalties), plus the reproducer of issue F;
+    seeded sampling, penalties), plus a sampled request that forks without the canonical arithmetic;
 (c) batch invariance: a lane's logits are bitwise identical alone and among 15 others,
     in another slot and on other pages;
 (d) one graph capture serves passes across many ratio-4 boundaries while lanes come and go;
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.backend import Row, StepPlan
-from ds4ref.engine import Engine
+from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler.request import Request, Sampling, TokenEvent
 
@@ -71,7 +71,7 @@ def feed(backend, slot: int, tokens, chunks, start: int = 0) -> list[np.ndarray]
         rows = [Row(slot, pos + j, int(t)) for j, t in enumerate(tokens[i:i + n])]
         if not rows:
             break
-        res = backend.step(StepPlan.from_rows(rows, backend.max_rows))
+        res = backend.step(StepPlan.from_rows(rows, backend.max_pass_rows))
         out += res.logits
         pos, i = pos + len(rows), i + len(rows)
     return out
@@ -169,7 +169,7 @@ def request_mixes(draw):
 def numpy_like(model, hip_backend):
     """The NumPy reference with the HIP backend's pass size: arrivals and cancellations are
     given in passes, so both engines must plan the same passes to be compared."""
-    return NumpyBackend(model.reference, max_rows=hip_backend.max_rows)
+    return NumpyBackend(model.reference, max_pass_rows=hip_backend.max_pass_rows)
 
 
 def run_engine(model, backend, mix, quantum):
@@ -201,9 +201,9 @@ def test_engine_tokens_equal_across_backends(model, rt, shard, case):
                     f"{sum(len(t) for t in got[0])}\n")
 
 
-def test_issue_f_reproducer(model, rt):
-    """The request that forked in official numerics before the canonical arithmetic: a
-    257-token prompt (random.Random(7)'s 12th draw, lengths drawn in order), sampled."""
+def test_a_sampled_long_prompt_agrees(model, rt):
+    """A request that forks between the backends in official numerics without the canonical
+    arithmetic (docs/exactness.md): a 257-token prompt (random.Random(7)'s 12th draw, lengths drawn in order), sampled."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 2, 5, 31, 64, 127, 128, 129, 200, 255, 256, 257)]
     smp = Sampling(temperature=0.9, top_p=0.95, seed=1245, logprobs=5)
@@ -354,7 +354,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
             rest += [Row(s, pos[s] + j, int(others[s][pos[s] + j]), False, j == k - 1) for j in range(max(k, 0))]
         at = int(rng.integers(0, len(rest) + 1))
         plan = rest[:at] + mine + rest[at:]
-        res = b.step(StepPlan.from_rows(plan, b.max_rows))
+        res = b.step(StepPlan.from_rows(plan, b.max_pass_rows))
         passes += 1
         got += [lg for r, lg in zip(plan, res.logits) if r.slot == target]
         for r in plan:

@@ -1,0 +1,231 @@
+"""python -m ds4ref.cli.bench: load a running server with concurrent greedy streams.
+
+For each concurrency level C: one warm-up round of C short requests, then
+`repeats` rounds of C simultaneous streaming requests (greedy, ignore_eos so
+every request runs to max_tokens). Reported per level:
+
+  tok/s      completion tokens of all requests / wall time of the rounds
+  TTFT       request sent -> first text chunk (p50, p99 over requests)
+  ITL        gap between consecutive text chunks (p50, p99 over all gaps)
+  errors     non-200 answers, error events, or a finish other than "length"
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+from ..console import HelpFormatter
+
+import httpx
+
+WORDS = ("river stone lantern orbit maple copper signal harbor meadow thunder velvet quartz falcon ember "
+         "glacier prism tundra compass saffron willow beacon canyon nectar cobalt lagoon summit ripple "
+         "garnet pylon harvest juniper vortex").split()
+
+
+def short_ragged_prompts(n: int, seed: int = 0) -> list[str]:
+    """n disjoint prompts (each opens with its own number, so no two share a
+    prefix) of ragged lengths, 2 to 12 words."""
+    rng = random.Random(seed)
+    return [f"Prompt {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for i in range(n)]
+
+
+def file_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line; a line that is a JSON string is decoded (for newlines)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.strip():
+                out.append(json.loads(line) if line.startswith('"') else line)
+    if not out:
+        raise SystemExit(f"{path}: no prompts")
+    return out
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+@dataclass
+class Sample:
+    ttft: Optional[float] = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    tok_per_s: float
+    ttft_p50: Optional[float]
+    ttft_p99: Optional[float]
+    itl_p50: Optional[float]
+    itl_p99: Optional[float]
+    errors: int
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sample = Sample()
+    t0 = last = time.perf_counter()
+    finish = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return sample
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    sample.error = chunk["error"].get("message", "error event")
+                    return sample
+                if chunk.get("usage"):
+                    sample.tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if sample.ttft is None:
+                            sample.ttft = now - t0
+                        else:
+                            sample.gaps.append(now - last)
+                        last = now
+    except httpx.HTTPError as e:
+        sample.error = f"{type(e).__name__}: {e}"
+        return sample
+    if finish != "length":
+        sample.error = f"finish_reason {finish!r}, expected 'length'"
+    return sample
+
+
+async def run_round(client, url, model, prompts, max_tokens, progress) -> tuple[list[Sample], float]:
+    async def tracked(p: str) -> Sample:
+        s = await one_stream(client, url, model, p, max_tokens)
+        if progress is not None:
+            progress.update(1)
+        return s
+
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(tracked(p) for p in prompts))
+    return list(samples), time.perf_counter() - t0
+
+
+async def bench(url: str, levels: list[int], max_tokens: int, prompts: list[str], repeats: int,
+                warmup_tokens: int, timeout: float, show_progress: bool) -> list[LevelResult]:
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        models = (await client.get(url + "/v1/models")).json()
+        model = models["data"][0]["id"]
+        progress = None
+        if show_progress:
+            from tqdm import tqdm
+            progress = tqdm(total=sum(levels) * repeats, unit="req", file=sys.stderr)
+        results = []
+        cursor = 0
+        for c in levels:
+            def take(k: int) -> list[str]:
+                nonlocal cursor
+                batch = [prompts[(cursor + i) % len(prompts)] for i in range(k)]
+                cursor += k
+                return batch
+
+            if warmup_tokens:
+                await run_round(client, url, model, take(c), warmup_tokens, None)
+            samples, seconds = [], 0.0
+            for _ in range(repeats):
+                s, dt = await run_round(client, url, model, take(c), max_tokens, progress)
+                samples += s
+                seconds += dt
+            tokens = sum(s.tokens for s in samples)
+            ttfts = [s.ttft for s in samples if s.ttft is not None and s.error is None]
+            gaps = [g for s in samples if s.error is None for g in s.gaps]
+            results.append(LevelResult(c, len(samples), tokens, seconds, tokens / seconds if seconds else 0.0,
+                                       percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps, 50),
+                                       percentile(gaps, 99), sum(s.error is not None for s in samples)))
+            for s in samples:
+                if s.error:
+                    print(f"C={c}: {s.error}", file=sys.stderr)
+        if progress is not None:
+            progress.close()
+        return results
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def table(results: list[LevelResult]) -> str:
+    head = f"{'C':>3} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} " \
+           f"{'ITL p50':>8} {'ITL p99':>8} {'errors':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.concurrency:>3} {r.requests:>5} {r.tokens:>7} {r.tok_per_s:>8.1f} {_ms(r.ttft_p50):>9} "
+                     f"{_ms(r.ttft_p99):>9} {_ms(r.itl_p50):>8} {_ms(r.itl_p99):>8} {r.errors:>6}")
+    lines.append("(TTFT and ITL in milliseconds)")
+    return "\n".join(lines)
+
+
+def base_url(url: str) -> str:
+    """The server root of what a user pastes: OpenAI clients are configured with .../v1."""
+    url = url.rstrip("/")
+    return url[:-len("/v1")] if url.endswith("/v1") else url
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
+    return levels
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL, with or without /v1")
+    p.add_argument("--concurrency", type=parse_levels, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
+    p.add_argument("--prompts", default="short-ragged", help="'short-ragged' or a file with one prompt per line")
+    p.add_argument("--repeats", type=int, default=1, help="measured rounds per level")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="max_tokens of the warm-up round (0 = none)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    args = p.parse_args(argv)
+    if args.max_tokens < 1 or args.repeats < 1:
+        p.error("--max-tokens and --repeats must be >= 1")
+    prompts = (short_ragged_prompts(max(args.concurrency) * (args.repeats + 1) * len(args.concurrency))
+               if args.prompts == "short-ragged" else file_prompts(args.prompts))
+    url = base_url(args.url)
+    try:
+        results = asyncio.run(bench(url, args.concurrency, args.max_tokens, prompts, args.repeats,
+                                    args.warmup_tokens, args.timeout, not args.no_progress))
+    except httpx.HTTPError as e:
+        print(f"ds4ref.cli.bench: cannot reach {url}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps([asdict(r) for r in results], indent=2) if args.json else table(results))
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""A tiny random deepseek4 model with every structural feature of Flash.
+
+Six layers cover the whole schedule (two sliding-window layers, ratio-4 CSA
+with the indexer, ratio-128 HCA, three hash-routed layers, biased routing),
+with small windows and top-k so tests reach compression, indexer selection
+and clamping within a few hundred tokens. Weights are random but scaled so
+that activations stay O(1) through the layers and the logits are far from
+flat, which makes argmax comparisons between implementations meaningful.
+
+    python -m ds4ref.gguf.tiny --out model.gguf [--seed N] [--layers N] [--policy q2|q4|mxfp4]
+
+`--policy` writes the published files' type policy (spec §2): routed experts as
+IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
+expert and output; F16 HC, compressor, indexer, router and embedding. The 256-value
+blocks of the K-quants and IQ2_XXS need rows that are multiples of 256, so the policy
+files are 256 wide with 256-wide experts (POLICY_DIMS); the expert blocks are random
+but valid bytes (random_blocks), since gguf-py cannot quantise to these types.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import math
+import os
+from pathlib import Path
+from ..console import HelpFormatter
+
+import numpy as np
+
+from .config import DS4Config
+from .tensors import tensor_shapes
+
+# Clamp limits low enough that the SwiGLU clamp acts on a good share of
+# random activations (the gate/up projections below have std ~2).
+_CLAMPS = (1.5, 2.0, 2.5, 3.0, 1.75, 2.25)
+
+_TINY = dict(
+    n_layer=6, n_embd=128, vocab_size=512, n_head=4, head_dim=96, n_rot=32,
+    q_lora_rank=64, o_lora_rank=64, o_groups=2, n_expert=8, n_expert_used=2,
+    n_expert_shared=1, expert_ff=64, n_hash_layers=3, expert_weights_scale=1.5,
+    sliding_window=16, indexer_heads=8, indexer_head_dim=64, indexer_top_k=8,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6,
+    rope_freq_base=10000.0, compress_rope_freq_base=160000.0, yarn_factor=16.0,
+    yarn_orig_ctx=65536, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+    context_length=4096, name="ds4-tiny",
+)
+
+# Stored types, after the published files' policy (F16 embedding / HC /
+# compressor / indexer / router, Q8_0 attention, shared experts and output).
+# Routed experts are Q8_0 too (published: Q4_K, whose 256-blocks do not fit
+# 128-wide rows) so the embedded model exercises quantised expert slicing.
+_DTYPE_BY_SUFFIX = {
+    "token_embd.weight": "f16", "output.weight": "q8_0", "output_hc_fn.weight": "f16",
+    "hc_attn_fn.weight": "f16", "hc_ffn_fn.weight": "f16",
+    "attn_q_a.weight": "q8_0", "attn_q_b.weight": "q8_0", "attn_kv.weight": "q8_0",
+    "attn_output_a.weight": "q8_0", "attn_output_b.weight": "q8_0",
+    "attn_compressor_ape.weight": "f16", "attn_compressor_kv.weight": "f16",
+    "attn_compressor_gate.weight": "f16",
+    "indexer.attn_q_b.weight": "f16", "indexer.proj.weight": "f16",
+    "indexer_compressor_ape.weight": "f16", "indexer_compressor_kv.weight": "f16",
+    "indexer_compressor_gate.weight": "f16",
+    "ffn_gate_inp.weight": "f16",
+    "ffn_gate_exps.weight": "q8_0", "ffn_up_exps.weight": "q8_0", "ffn_down_exps.weight": "q8_0",
+    "ffn_gate_shexp.weight": "q8_0", "ffn_up_shexp.weight": "q8_0", "ffn_down_shexp.weight": "q8_0",
+}
+
+
+# Routed-expert types of each published policy: (gate and up, down).
+POLICIES: dict[str, tuple[str, str]] = {"q2": ("IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K"),
+                                        "mxfp4": ("MXFP4", "MXFP4")}
+# Dimensions of the policy files: expert rows (n_embd for gate/up, expert_ff for down)
+# must be multiples of 256 for Q2_K / Q4_K / IQ2_XXS. Everything else is the tiny model's.
+POLICY_DIMS = dict(n_embd=256, expert_ff=256)
+_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def flash_ratio(layer: int) -> int:
+    """Flash's schedule: two sliding layers, then CSA (4) on even, HCA (128) on odd layers."""
+    if layer < 2:
+        return 0
+    return 4 if layer % 2 == 0 else 128
+
+
+def tiny_config(**overrides) -> DS4Config:
+    """The embedded tiny config; n_layer overrides extend ratios and clamps by Flash's pattern."""
+    kw = dict(_TINY)
+    kw.update(overrides)
+    n = int(kw["n_layer"])
+    kw.setdefault("compress_ratios", [flash_ratio(i) for i in range(n)])
+    kw.setdefault("swiglu_clamp", [_CLAMPS[i % len(_CLAMPS)] for i in range(n)])
+    return DS4Config(**kw)
+
+
+def tiny_dtypes(config: DS4Config) -> dict[str, str]:
+    """Stored type per tensor for the embedded file (f32 where not listed)."""
+    out = {}
+    for name in tensor_shapes(config):
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if suffix in _DTYPE_BY_SUFFIX:
+            out[name] = _DTYPE_BY_SUFFIX[suffix]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# random weights
+# ---------------------------------------------------------------------------
+def _linear(rng: np.random.Generator, shape: tuple[int, ...], gain: float = 1.0) -> np.ndarray:
+    """N(0, gain²/in): unit-RMS inputs give outputs of RMS ~gain."""
+    return (rng.standard_normal(shape) * (gain / np.sqrt(shape[-1]))).astype(np.float32)
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], mean: float = 0.0, std: float = 1.0) -> np.ndarray:
+    return (mean + std * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _hash_table(rng: np.random.Generator, vocab: int, n_expert: int, k: int) -> np.ndarray:
+    # argsort of independent uniforms = a random permutation per token, so ids are distinct
+    return np.argsort(rng.random((vocab, n_expert)), axis=1)[:, :k].astype(np.int32)
+
+
+def _gain(suffix: str) -> float:
+    if suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight"):
+        return 2.0  # SwiGLU inputs of RMS ~2 so the small clamps bite
+    if suffix == "output.weight":
+        return 3.0  # logits of std ~3: clearly peaked softmax over 512 tokens
+    if suffix.endswith("compressor_gate.weight"):
+        return 2.0  # pooling scores that actually prefer some tokens
+    return 1.0
+
+
+def _random_tensor(rng: np.random.Generator, cfg: DS4Config, suffix: str, shape: tuple[int, ...]) -> np.ndarray:
+    if suffix.endswith("norm.weight"):
+        return _normal(rng, shape, 1.0, 0.1)
+    if suffix == "ffn_gate_tid2eid.weight":
+        return _hash_table(rng, cfg.vocab_size, cfg.n_expert, cfg.n_expert_used)
+    if suffix.endswith("_base.weight"):  # HC biases
+        return _normal(rng, shape, 0.0, 0.5)
+    if suffix.endswith("_scale.weight"):  # HC scalars (s_pre, s_post, s_comb)
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if suffix in ("attn_sinks.weight", "exp_probs_b.bias") or suffix.endswith("_ape.weight"):
+        return _normal(rng, shape, 0.0, 0.5)
+    if suffix == "token_embd.weight":
+        return _normal(rng, shape)
+    return _linear(rng, shape, _gain(suffix))
+
+
+def random_tensors(config: DS4Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every tensor of tensor_shapes(config), float32 (int32 tid2eid), from one seed.
+
+    Each tensor draws from its own generator keyed by (seed, index), so the
+    values of a tensor do not depend on how many draws came before it.
+    """
+    out = {}
+    for i, (name, shape) in enumerate(tensor_shapes(config).items()):
+        rng = np.random.default_rng([seed, i])
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        out[name] = _random_tensor(rng, config, suffix, tuple(shape))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# random but valid quantised blocks
+# ---------------------------------------------------------------------------
+def _set_f16(blocks: np.ndarray, offset: int, value) -> None:
+    blocks[:, offset:offset + 2] = np.asarray(value, np.float16).reshape(-1, 1).view(np.uint8).reshape(-1, 2)
+
+
+def _dequant(blocks: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+    return gguf.quants.dequantize(blocks, qtype).reshape(-1)
+
+
+# The generated files must be the same bytes on every machine, so no statistic that feeds a
+# stored byte may come from a NumPy reduction (its rounding follows the CPU's SIMD width and
+# the NumPy build) or a vectorised transcendental. math.fsum is correctly rounded and the
+# element-wise float64 operations are IEEE-exact, so these two are machine-independent.
+def exact_mean(values: np.ndarray) -> float:
+    return math.fsum(np.asarray(values, np.float64).reshape(-1).tolist()) / values.size
+
+
+def exact_std(values: np.ndarray) -> float:
+    x = np.asarray(values, np.float64).reshape(-1)
+    d = x - exact_mean(x)
+    return math.sqrt(math.fsum((d * d).tolist()) / x.size)
+
+
+def nearest_log2(x: float) -> int:
+    """round(log2(x)) for x > 0 from frexp (exact), not libm's log2."""
+    m, e = math.frexp(x)  # x = m * 2**e, 0.5 <= m < 1, so log2(x) = e + log2(m), log2(m) in [-1, 0)
+    return e if m >= math.sqrt(0.5) else e - 1
+
+
+# Byte offset of the f16 super-block scales (d, dmin) in gguf-py's block layouts.
+_F16_SCALES = {"Q2_K": (80, 82), "Q4_K": (0, 2), "IQ2_XXS": (0, None)}
+
+
+def random_blocks(rng: np.random.Generator, qtype_name: str, shape: tuple[int, ...], std: float):
+    """StoredBlocks of `qtype_name` for values of NumPy `shape`: uniformly random bytes
+    (every code, grid index, sign pattern and sub-scale is valid) with the block scales
+    set so that the values have mean ~0 and standard deviation ~`std`. The scales are
+    finite f16 (E8M0 in 1..254 for MXFP4), so every value dequantises to a finite float."""
+    import gguf
+    from .file import StoredBlocks
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, (int(np.prod(byte_shape)) // size, size), dtype=np.uint8)
+    if qtype_name == "MXFP4":
+        blocks[:, 0] = 127
+        exponent = 127 + nearest_log2(std / exact_std(_dequant(blocks, qtype)))
+        blocks[:, 0] = np.clip(exponent + rng.integers(-1, 2, len(blocks)), 1, 254)  # per-block jitter
+    else:
+        d_at, dmin_at = _F16_SCALES[qtype_name]
+        d, dmin = 1.0, 0.0
+        if dmin_at is not None:  # K-quants subtract dmin*min: pick dmin so the mean is ~0
+            _set_f16(blocks, d_at, 1.0); _set_f16(blocks, dmin_at, 0.0)
+            scaled = exact_mean(_dequant(blocks, qtype))
+            _set_f16(blocks, d_at, 0.0); _set_f16(blocks, dmin_at, 1.0)
+            dmin = scaled / -exact_mean(_dequant(blocks, qtype))
+            _set_f16(blocks, dmin_at, dmin)
+        _set_f16(blocks, d_at, d)
+        gain = std / exact_std(_dequant(blocks, qtype))
+        _set_f16(blocks, d_at, d * gain)
+        if dmin_at is not None:
+            _set_f16(blocks, dmin_at, dmin * gain)
+    return StoredBlocks(tuple(shape), qtype, blocks.reshape(byte_shape))
+
+
+def policy_config(**overrides) -> DS4Config:
+    """The tiny config at the policy files' widths (POLICY_DIMS)."""
+    return tiny_config(**{**POLICY_DIMS, **overrides})
+
+
+def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors, dtypes) of a tiny file in a published policy: random_tensors, with the routed
+    experts replaced by random valid blocks of the policy's types (same std as the floats)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    tensors = random_tensors(config, seed)
+    gate_up, down = POLICIES[policy]
+    for i, (name, arr) in enumerate(tensors.items()):
+        suffix = name.split(".", 2)[-1]
+        if suffix in _EXPERTS:
+            rng = np.random.default_rng([seed, i, 1])
+            qtype = down if suffix == "ffn_down_exps.weight" else gate_up
+            tensors[name] = random_blocks(rng, qtype, arr.shape, exact_std(arr))
+    return tensors, tiny_dtypes(config)
+
+
+# ---------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------
+def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
+               dtypes: dict[str, str] | None = None, policy: str | None = None) -> DS4Config:
+    """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
+    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS."""
+    from .file import write_gguf
+    from .tokenizer import tiny_tokenizer_meta
+
+    extra = {"ds4ref.tiny_seed": int(seed)}
+    if policy is not None:
+        config = config or policy_config()
+        tensors, dtypes = policy_tensors(config, policy, seed)
+        extra["ds4ref.tiny_policy"] = policy
+    else:
+        config = config or tiny_config()
+        tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
+    write_gguf(path, config, tensors, tokenizer_meta=tiny_tokenizer_meta(config.vocab_size),
+               dtypes=dtypes, extra_meta=extra)
+    return config
+
+
+def default_model_path() -> Path:
+    """Path of the packaged ds4-tiny.gguf."""
+    ref = importlib.resources.files("ds4ref").joinpath("data", "ds4-tiny.gguf")
+    return Path(str(ref))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.gguf.tiny", description="Write a tiny random deepseek4 GGUF.",
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--out", required=True, help="output .gguf path")
+    ap.add_argument("--seed", type=int, default=0, help="seed of every random tensor")
+    ap.add_argument("--layers", type=int, default=None, help="number of layers (Flash ratio pattern)")
+    ap.add_argument("--ratios", default=None, help="comma-separated compress ratios, e.g. 0,0,4,128")
+    ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
+    ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
+                    help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
+    args = ap.parse_args(argv)
+    if args.policy and args.all_f32:
+        ap.error("--policy and --all-f32 exclude each other")
+    overrides = {}
+    if args.ratios:
+        ratios = [int(r) for r in args.ratios.split(",")]
+        overrides.update(compress_ratios=ratios, n_layer=len(ratios))
+    if args.layers is not None:
+        overrides["n_layer"] = args.layers
+    cfg = (policy_config if args.policy else tiny_config)(**overrides)
+    write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy)
+    print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
+          f"{os.path.getsize(args.out)} bytes")
+
+
+if __name__ == "__main__":
+    main()
