@@ -195,14 +195,12 @@ def rmsnorm_q8(x, w, eps, rt=None):
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     rows, D = x.shape
-    q = Q8Rows.alloc(rt, rows * D)
-    try:
-        with _Scope(rt) as s:
-            y = s.out(x.shape)
-            launch_rmsnorm_q8(rt, s.up(x), None if w is None else s.up(_f32(w)), y, rows, D, eps, q)
-            return s.get(y, x.shape), *q.get(rt, rows, D)
-    finally:
-        q.free()
+
+    def produce(s, q):
+        y = s.out(x.shape)
+        launch_rmsnorm_q8(rt, s.up(x), None if w is None else s.up(_f32(w)), y, rows, D, eps, q)
+        return (s.get(y, x.shape),)
+    return _with_q8_rows(rt, rows, D, produce)
 
 
 def rmsnorm(x, w, eps, rt=None):
@@ -697,14 +695,12 @@ def swiglu_act_q8(g, u, clamp, rt=None):
     rt = _rt(rt)
     g, u = _f32(np.atleast_2d(g)), _f32(np.atleast_2d(u))
     rows, W = g.shape
-    q = Q8Rows.alloc(rt, rows * W)
-    try:
-        with _Scope(rt) as s:
-            h = s.out(g.shape)
-            launch_swiglu_act(rt, s.up(g), s.up(u), h, rows * W, clamp, q)
-            return s.get(h, g.shape), *q.get(rt, rows, W)
-    finally:
-        q.free()
+
+    def produce(s, q):
+        h = s.out(g.shape)
+        launch_swiglu_act(rt, s.up(g), s.up(u), h, rows * W, clamp, q)
+        return (s.get(h, g.shape),)
+    return _with_q8_rows(rt, rows, W, produce)
 
 
 EL_PAIRS = MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 (lane, choice) pairs
@@ -912,11 +908,20 @@ def quantize_q8(x, rt=None):
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     rows, K = x.shape
-    q = Q8Rows.alloc(rt, rows * K)
+
+    def produce(s, q):
+        launch_quantize_q8(rt, s.up(x), q, rows, K)
+        return ()
+    return _with_q8_rows(rt, rows, K, produce)
+
+
+def _with_q8_rows(rt, rows: int, W: int, produce) -> tuple:
+    """produce(scope, q) over fresh int8 rows q (rows x W): its host outputs, then q's codes and
+    block scales (the twins of the kernels that quantise what they make)."""
+    q = Q8Rows.alloc(rt, rows * W)
     try:
         with _Scope(rt) as s:
-            launch_quantize_q8(rt, s.up(x), q, rows, K)
-            return q.get(rt, rows, K)
+            return (*produce(s, q), *q.get(rt, rows, W))
     finally:
         q.free()
 
