@@ -157,6 +157,18 @@ class HipBackend:
         self.rt.bind_thread()
         self._need_state().set_block_table(slot, pages)
 
+    def save_state(self, slot: int) -> int:
+        self.rt.bind_thread()
+        return self._need_state().save_state(slot)
+
+    def load_state(self, slot: int, snapshot: int, pages) -> None:
+        self.rt.bind_thread()
+        self._need_state().load_state(slot, snapshot, pages)
+
+    def drop_state(self, snapshot: int) -> None:
+        self.rt.bind_thread()
+        self._need_state().drop_state(snapshot)
+
     def step(self, plan: StepPlan) -> StepResult:
         self.rt.bind_thread()
         st = self._need_state()

@@ -143,6 +143,8 @@ class DeviceState:
         self.lanes = self._zeros((len(LANE_FIELDS) + len(self.ratios)) * n_lanes)
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
         self.next_pos = np.zeros(n_slots, np.int64)
+        self.snapshots: dict[int, tuple[object, int]] = {}  # id -> (device copy of the slot's state, position)
+        self._next_snapshot = 0
         rt.synchronize()
 
     @staticmethod
@@ -164,9 +166,9 @@ class DeviceState:
 
     def free(self) -> None:
         self.rt.synchronize()
-        for b in self._bufs:
+        for b in self._bufs + [buf for buf, _ in self.snapshots.values()]:
             b.free()
-        self._bufs = []
+        self._bufs, self.snapshots = [], {}
 
     # ---- views the program needs ---------------------------------------------------
     def lane(self, name: str):
@@ -208,10 +210,56 @@ class DeviceState:
                 m = 4 * cs.width
                 rt.memset32(view(cs.prev_kv, slot * m * 4, m * 4), 0, m)
                 rt.memset32(view(cs.prev_sc, slot * m * 4, m * 4), NEG_INF_BITS, m)
-        self._zero_pages(self.tables[slot])
-        self.tables[slot] = np.zeros(0, np.int64)
+        self.tables[slot] = np.zeros(0, np.int64)  # its pages are zeroed when mapped again
         self.next_pos[slot] = 0
         self._upload_table(slot)
+
+    # ---- snapshots (the prefix cache) ---------------------------------------------------
+    def _slot_regions(self, slot: int) -> list[tuple[object, int, int]]:
+        """(buffer, byte offset, bytes) of each piece of the slot's state that is not in pages."""
+        out = [(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes)]
+        for cs in self.comps.values():
+            n = 4 * cs.ratio * (2 if cs.ratio == CSA else 1) * cs.width
+            out += [(cs.cur_kv, slot * n, n), (cs.cur_sc, slot * n, n)]
+            if cs.ratio == CSA:
+                m = 4 * 4 * cs.width
+                out += [(cs.prev_kv, slot * m, m), (cs.prev_sc, slot * m, m)]
+        return out
+
+    def save_state(self, slot: int) -> int:
+        from .ops import view
+        self.check_slot(slot)
+        regions = self._slot_regions(slot)
+        copy = self.rt.malloc(sum(nb for *_, nb in regions))
+        at = 0
+        for buf, off, nb in regions:
+            self.rt.d2d(view(copy, at, nb), view(buf, off, nb), nb)
+            at += nb
+        self._next_snapshot += 1
+        self.snapshots[self._next_snapshot] = (copy, int(self.next_pos[slot]))
+        return self._next_snapshot
+
+    def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
+        from .ops import view
+        self.check_slot(slot)
+        copy, position = self.snapshots[snapshot]
+        table = np.asarray(pages, np.int64).reshape(-1)
+        if self.next_pos[slot] or self.tables[slot].size:
+            raise ValueError(f"slot {slot} must be reset before it loads a snapshot")
+        check_block_table(slot, self.tables[slot], table, self.n_pages)
+        if table.size * self.page_tokens < position or table.size > self.maxp:
+            raise ValueError(f"slot {slot}: {table.size} pages do not hold the snapshot's {position} positions")
+        at = 0
+        for buf, off, nb in self._slot_regions(slot):
+            self.rt.d2d(view(buf, off, nb), view(copy, at, nb), nb)
+            at += nb
+        self.tables[slot], self.next_pos[slot] = table, position
+        self._upload_table(slot)
+
+    def drop_state(self, snapshot: int) -> None:
+        copy, _ = self.snapshots.pop(snapshot)
+        self.rt.synchronize()  # a copy from it may still be queued
+        copy.free()
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self.check_slot(slot)

@@ -378,3 +378,30 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
     ring = rt.download(st_.rings, (n_slots, st_.ring_slot_bytes), np.uint8)
     want_r = np.ascontiguousarray(ref.rings).view(np.uint8).reshape(n_slots, -1)
     assert np.array_equal(ring[target], want_r[target]), "raw window rings differ"
+
+
+def test_prefix_cache_turns_equal_numpy_from_scratch(model, rt):
+    """The prefix cache on the device: three turns of one conversation, each later turn
+    resuming from cached pages and a device snapshot of the slot's ring and compressors,
+    give NumpyBackend's tokens and logprobs computed from token 0, bit for bit."""
+    V = model.config.vocab_size
+    rng = np.random.default_rng(7)
+    cached = Engine(model, max_concurrency=2, backend=hip(model, rt))
+    cached.seq_engine.snapshot_every = 1
+
+    def bits(engine, req):
+        out = engine.run([req])[0]
+        lps = [np.float32(e.logprob).view(np.uint32).item() for e in engine.events if isinstance(e, TokenEvent)]
+        return out, lps, engine.finishes[0].reason
+
+    prompt = rng.integers(2, V, 300).tolist()
+    for turn in range(3):
+        req = lambda: Request(list(prompt), 20, sampling=Sampling(temperature=0.8, seed=turn, logprobs=1),  # noqa: E731
+                              ignore_eos=True)
+        got = bits(cached, req())
+        assert (cached.finishes[0].cached_tokens > 0) == (turn > 0)
+        want = bits(Engine(model, max_concurrency=1, backend=NumpyBackend(model.reference), prefix_cache=False),
+                    req())
+        assert got == want, f"turn {turn}"
+        prompt = prompt + got[0] + rng.integers(2, V, 150).tolist()
+    assert cached.seq_engine.stats()["prefix_hits"] == 2
