@@ -13,6 +13,7 @@ import ds4ref.serve as serve
 from ds4ref import settings
 from ds4ref.gguf import file as gguf_file
 from ds4ref.paging.layout import PageLayout
+from ds4ref.paging.prefix import SNAPSHOTS_PER_SLOT
 from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, weight_bytes
 from ds4ref.serve.__main__ import byte_size, main
 
@@ -46,7 +47,11 @@ def test_flash_plan_totals(lanes, context, pool, pages):
     assert plan.n_pages == pages  # a full context per lane unless --kv-pool-tokens, in whole pages
     assert plan.paged == pages * PAGE_COMPACT
     assert plan.slots == lanes * (LAYERS * WINDOW * KV_ROW + 4 * COMPRESSOR_ELEMENTS)
-    assert plan.total == weights + pages * PAGE_COMPACT + plan.slots
+    # the prefix cache's snapshots, one slot's fixed state each, SNAPSHOTS_PER_SLOT per lane
+    assert plan.snapshot_bytes == SNAPSHOTS_PER_SLOT * plan.slots
+    assert plan.total == weights + pages * PAGE_COMPACT + plan.slots + plan.snapshot_bytes
+    off = make_plan(flash_config(), weights, lanes, context, pool, "compact", prefix_cache=False)
+    assert off.snapshot_bytes == 0 and off.total == plan.total - plan.snapshot_bytes
     assert plan.bytes_per_token("f32") == 13_760 and plan.bytes_per_token("compact") == PAGE_COMPACT / 128
     check_fits(plan, plan.total, "the budget is")
     with pytest.raises(PlanError, match="lower --max-context, --kv-pool-tokens or --max-concurrency"):
@@ -125,8 +130,10 @@ def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
     out, err = capsys.readouterr()
     assert "total" in out  # the table still shows what it would take
     (line,) = err.strip().splitlines()
-    assert line.startswith("ds4ref.serve: error: the memory plan needs 14.3 MiB but --memory-budget is 4.0 MiB:")
+    # 14.3 MiB of weights and state, and 16 lanes x 8 prefix-cache snapshots of 250.4 KiB
+    assert line.startswith("ds4ref.serve: error: the memory plan needs 45.6 MiB but --memory-budget is 4.0 MiB:")
     assert "paged history" in line and "per-lane state" in line and "--max-concurrency" in line
+    assert "31.3 MiB of prefix-cache snapshots (--no-prefix-cache drops them)" in line
     assert main(["--dry-run", "--memory-budget", "1M"]) == 2
     assert "the weights alone need 3.0 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
 
@@ -229,7 +236,8 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
     assert sum(b.nbytes for b in st.pages.values()) == plan.paged
     assert rt.allocated - uploaded - plan.workspace - plan.paged <= plan.slots
 
-    state_and_workspace = plan.total - plan.weights
+    # prefix-cache snapshots are taken later, one at a time, not by configure
+    state_and_workspace = plan.total - plan.weights - plan.snapshot_bytes
     free = int(state_and_workspace / 0.95)
     while 0.95 * free < state_and_workspace:
         free += 1

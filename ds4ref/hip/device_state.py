@@ -229,8 +229,13 @@ class DeviceState:
     def save_state(self, slot: int) -> int:
         from .ops import view
         self.check_slot(slot)
+        from .runtime import GpuError
         regions = self._slot_regions(slot)
-        copy = self.rt.malloc(sum(nb for *_, nb in regions))
+        nbytes = sum(nb for *_, nb in regions)
+        try:
+            copy = self.rt.malloc(nbytes)
+        except GpuError as exc:  # the engine serves on without this snapshot
+            raise MemoryError(f"no device memory for a {nbytes}-byte snapshot: {exc}") from exc
         at = 0
         for buf, off, nb in regions:
             self.rt.d2d(view(copy, at, nb), view(buf, off, nb), nb)

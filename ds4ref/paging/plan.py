@@ -20,6 +20,7 @@ from ..backend import PAGE_TOKENS
 from ..gguf.config import DS4Config
 from .layout import PageLayout
 from .pool import pool_pages
+from .prefix import SNAPSHOTS_PER_SLOT
 
 
 class PlanError(MemoryError):
@@ -37,6 +38,7 @@ class MemoryPlan:
     page_tokens: int = PAGE_TOKENS
     workspace: int = 0  # the backend's allocations beside weights and state (hip: pass_workspace)
     workspace_rows: int = 0  # the largest pass the workspace serves
+    snapshots: int = 0  # prefix-cache snapshots held at most (0: no cache); its pages are the pool's
 
     @property
     def layout(self) -> PageLayout:
@@ -55,8 +57,13 @@ class MemoryPlan:
         return self.lanes * self.per_slot
 
     @property
+    def snapshot_bytes(self) -> int:
+        """The prefix cache's share beside the pool: each snapshot is one slot's fixed state."""
+        return self.snapshots * self.per_slot
+
+    @property
     def total(self) -> int:
-        return self.weights + self.paged + self.slots + self.workspace
+        return self.weights + self.paged + self.slots + self.workspace + self.snapshot_bytes
 
     def bytes_per_token(self, storage: str) -> float:
         """Paged history per token of context (the raw ring is per slot, not per token)."""
@@ -64,9 +71,10 @@ class MemoryPlan:
 
 
 def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool_tokens: Optional[int],
-              storage: str, page_tokens: int = PAGE_TOKENS) -> MemoryPlan:
+              storage: str, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True) -> MemoryPlan:
     return MemoryPlan(config, weights, lanes, context,
-                      pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens)
+                      pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens,
+                      snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0)
 
 
 def weight_bytes(model_file) -> int:
@@ -94,6 +102,8 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
     if plan.weights > available:
         raise PlanError(f"the weights alone need {size(plan.weights)} but {where} {size(available)}")
     work = f" and {size(plan.workspace)} of pass workspace" if plan.workspace else ""
+    work += (f", {size(plan.snapshot_bytes)} of prefix-cache snapshots (--no-prefix-cache drops them)"
+             if plan.snapshots else "")
     raise PlanError(
         f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
         f"{size(plan.weights)}, {size(plan.paged)} of paged history ({plan.n_pages} pages) for "
@@ -105,9 +115,11 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
 def summary(plan: MemoryPlan) -> str:
     """The banner's line."""
     work = f" + pass workspace {size(plan.workspace)}" if plan.workspace else ""
+    cache = (f" + prefix-cache snapshots {plan.snapshots} x {size(plan.per_slot)} (cached pages share the pool)"
+             if plan.snapshots else "")
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
             f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
-            f"per-slot state {plan.lanes} x {size(plan.per_slot)}{work}")
+            f"per-slot state {plan.lanes} x {size(plan.per_slot)}{work}{cache}")
 
 
 def table(plan: MemoryPlan, available: str) -> str:
@@ -119,6 +131,8 @@ def table(plan: MemoryPlan, available: str) -> str:
             ("per-slot state", plan.slots, f"{plan.lanes} lanes x {plan.per_slot:,} B"),
             *([("pass workspace", plan.workspace, f"the {plan.workspace_rows}-row pass's buffers, RoPE tables, "
                                                   f"block tables, lane fields")] if plan.workspace else []),
+            *([("prefix cache", plan.snapshot_bytes, f"at most {plan.snapshots} snapshots x {plan.per_slot:,} B; "
+                                                     f"cached pages are the pool's own")] if plan.snapshots else []),
             ("total", plan.total, "")]
     out = [f"{name:<16}{n:>14,}  {size(n):>10}  {note}".rstrip() for name, n, note in rows]
     return "\n".join([*out, f"{'available':<16}{available}", "", *storage_lines(plan)])

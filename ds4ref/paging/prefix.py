@@ -28,6 +28,7 @@ import numpy as np
 from .pool import PageHandle, PagePool
 
 CACHE_OWNER = "prefix-cache"  # the pool owner of every registered page
+SNAPSHOTS_PER_SLOT = 8        # the default bound on snapshots held, per slot
 
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -25,6 +25,7 @@ that state, and feeds only the rest. Prompt chunks end at the snapshot boundarie
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -34,9 +35,11 @@ from ..console import plural
 from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
-from ..paging.prefix import Match, PrefixCache
+from ..paging.prefix import SNAPSHOTS_PER_SLOT, Match, PrefixCache
 from .request import Request
 from .sampling import Choice, SlotSampler
+
+log = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
@@ -118,7 +121,7 @@ class SeqEngine:
         max_pass_rows if smaller), since every one of them may be decoding in the same pass.
         prefix_cache: reuse cached pages and state (a backend without save_state/load_state/
         drop_state runs without); snapshot_every: pages between a prompt's snapshots;
-        max_snapshots: snapshots held at once (default 8 per slot)."""
+        max_snapshots: snapshots held at once (default SNAPSHOTS_PER_SLOT per slot)."""
         lanes = min(DECODE_LANES, backend.max_pass_rows)
         if not 1 <= max_concurrency <= lanes:
             raise ValueError(f"max_concurrency must be in 1..{lanes} (decode lanes), got {max_concurrency}")
@@ -137,7 +140,7 @@ class SeqEngine:
             raise ValueError(f"snapshot_every must be >= 1 page, got {snapshot_every}")
         self.snapshot_every = snapshot_every
         snapshots = all(hasattr(backend, m) for m in ("save_state", "load_state", "drop_state"))
-        self.cache = (PrefixCache(self.pool, backend.drop_state, max_snapshots or 8 * max_concurrency)
+        self.cache = (PrefixCache(self.pool, backend.drop_state, max_snapshots or SNAPSHOTS_PER_SLOT * max_concurrency)
                       if prefix_cache and snapshots else None)
         self.blocks = BlockManager(self.pool, max_concurrency, self.cache)
         self.seqs: dict[int, Seq] = {}
@@ -271,7 +274,11 @@ class SeqEngine:
         if s.fed % T or not b or self.cache.has_snapshot(s.keys[-1]):
             return
         if not s.prompting or b % self.snapshot_every == 0 or b == len(s.prompt) // T:
-            snapshot = self.backend.save_state(s.slot)
+            try:
+                snapshot = self.backend.save_state(s.slot)
+            except MemoryError as exc:  # a cache without this snapshot still serves every request
+                log.warning("prefix cache: no snapshot at position %d of slot %d: %s", s.fed, s.slot, exc)
+                return
             if not self.cache.attach_snapshot(s.keys[-1], snapshot):
                 self.backend.drop_state(snapshot)
 
