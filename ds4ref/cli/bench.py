@@ -8,6 +8,10 @@ every request runs to max_tokens). Reported per level:
   TTFT       request sent -> first text chunk (p50, p99 over requests)
   ITL        gap between consecutive text chunks (p50, p99 over all gaps)
   errors     non-200 answers, error events, or a finish other than "length"
+
+With --turns N it replays multi-turn chats instead (ds4ref/cli/bench_turns.py): TTFT
+and the server's cached prompt tokens per turn; --compare-prefix-cache starts two
+servers itself, with the prefix cache and without, and prints both side by side.
 """
 from __future__ import annotations
 
@@ -199,6 +203,16 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -211,9 +225,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    turns = p.add_argument_group("multi-turn chats (--turns)")
+    turns.add_argument("--turns", type=at_least_one, default=None,
+                       help="replay chats of this many turns instead of the load test")
+    turns.add_argument("--conversations", type=at_least_one, default=4, help="chats measured (p50 over them)")
+    turns.add_argument("--turn-tokens", type=at_least_one, default=200, help="about how long each new user message is")
+    turns.add_argument("--first-turn-tokens", type=at_least_one, default=None,
+                       help="about how long the first user message is (default: --turn-tokens)")
+    turns.add_argument("--compare-prefix-cache", action="store_true",
+                       help="start python -m ds4ref.serve on loopback ports, with the prefix cache and then "
+                            "without (--no-prefix-cache), and print both (--url is not used)")
+    turns.add_argument("--serve-args", default="",
+                       help="flags for the servers --compare-prefix-cache starts, e.g. '--model M.gguf'")
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.repeats < 1:
         p.error("--max-tokens and --repeats must be >= 1")
+    if args.turns is not None:
+        return _main_turns(p, args)
+    if args.compare_prefix_cache or args.serve_args:
+        p.error("--compare-prefix-cache and --serve-args need --turns")
     prompts = (short_ragged_prompts(max(args.concurrency) * (args.repeats + 1) * len(args.concurrency))
                if args.prompts == "short-ragged" else file_prompts(args.prompts))
     url = base_url(args.url)
@@ -225,6 +255,53 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(json.dumps([asdict(r) for r in results], indent=2) if args.json else table(results))
     return 1 if any(r.errors for r in results) else 0
+
+
+def _main_turns(p: argparse.ArgumentParser, args) -> int:
+    import shlex
+
+    from . import bench_turns as bt
+
+    load_test_only = [f"--{n.replace('_', '-')}" for n in ("concurrency", "prompts", "repeats", "warmup_tokens")
+                      if getattr(args, n) != p.get_default(n)]
+    if load_test_only:
+        p.error(f"{', '.join(load_test_only)} belong to the load test, not to --turns")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as e:
+        p.error(f"--serve-args: {e}")
+    why = bt.check_serve_args(serve_args)
+    if why:
+        p.error(why)
+    if serve_args and not args.compare_prefix_cache:
+        p.error("--serve-args needs --compare-prefix-cache (otherwise the server is yours to start)")
+    shape = (args.turns, args.conversations, args.first_turn_tokens or args.turn_tokens, args.turn_tokens,
+             args.max_tokens, args.timeout)
+
+    def measure(url: str) -> list:
+        return asyncio.run(bt.bench_turns(url, *shape))
+
+    try:
+        if args.compare_prefix_cache:
+            runs = {}
+            for cache in (True, False):
+                with bt.spawned_server(serve_args, cache) as url:
+                    print(f"prefix cache {'on' if cache else 'off'}: {url}", file=sys.stderr, flush=True)
+                    runs[cache] = measure(url)
+            results = {"prefix_cache_on": runs[True], "prefix_cache_off": runs[False]}
+            text = bt.compare_table(runs[True], runs[False])
+        else:
+            url = base_url(args.url)
+            results = {"turns": measure(url)}
+            text = bt.turns_table(results["turns"])
+    except httpx.HTTPError as e:
+        print(f"ds4ref.cli.bench: cannot reach the server: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a server that would not start
+        print(f"ds4ref.cli.bench: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: [asdict(r) for r in v] for k, v in results.items()}, indent=2) if args.json else text)
+    return 1 if any(r.errors for v in results.values() for r in v) else 0
 
 
 if __name__ == "__main__":
