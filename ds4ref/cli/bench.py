@@ -22,7 +22,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import AsyncIterator, Optional
 from ..console import HelpFormatter
 
 import httpx
@@ -83,6 +83,28 @@ class LevelResult:
     errors: int
 
 
+class StreamError(Exception):
+    """A streamed answer that failed: a status other than 200, or an error event."""
+
+
+async def stream_chunks(client: httpx.AsyncClient, url: str, path: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON chunks of a streamed answer, up to `data: [DONE]`. Raises StreamError."""
+    async with client.stream("POST", url + path, json=body) as r:
+        if r.status_code != 200:
+            raise StreamError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StreamError(chunk["error"].get("message", "error event"))
+            yield chunk
+
+
+def failure(e: Exception) -> str:
+    return str(e) if isinstance(e, StreamError) else f"{type(e).__name__}: {e}"
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -90,30 +112,20 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
     t0 = last = time.perf_counter()
     finish = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return sample
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    sample.error = chunk["error"].get("message", "error event")
-                    return sample
-                if chunk.get("usage"):
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                    if choice.get("text"):
-                        now = time.perf_counter()
-                        if sample.ttft is None:
-                            sample.ttft = now - t0
-                        else:
-                            sample.gaps.append(now - last)
-                        last = now
-    except httpx.HTTPError as e:
-        sample.error = f"{type(e).__name__}: {e}"
+        async for chunk in stream_chunks(client, url, "/v1/completions", body):
+            if chunk.get("usage"):
+                sample.tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    now = time.perf_counter()
+                    if sample.ttft is None:
+                        sample.ttft = now - t0
+                    else:
+                        sample.gaps.append(now - last)
+                    last = now
+    except (StreamError, httpx.HTTPError) as e:
+        sample.error = failure(e)
         return sample
     if finish != "length":
         sample.error = f"finish_reason {finish!r}, expected 'length'"
@@ -172,19 +184,23 @@ async def bench(url: str, levels: list[int], max_tokens: int, prompts: list[str]
         return results
 
 
-def _ms(v: Optional[float]) -> str:
+def ms(v: Optional[float]) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def text_table(columns: list[tuple[str, int]], rows: list[list[str]], note: str) -> str:
+    """Right-aligned columns (name, width) under a rule, then the note."""
+    head = " ".join(f"{name:>{w}}" for name, w in columns)
+    body = [" ".join(f"{cell:>{w}}" for cell, (_, w) in zip(row, columns)) for row in rows]
+    return "\n".join([head, "-" * len(head), *body, note])
+
+
 def table(results: list[LevelResult]) -> str:
-    head = f"{'C':>3} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} " \
-           f"{'ITL p50':>8} {'ITL p99':>8} {'errors':>6}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(f"{r.concurrency:>3} {r.requests:>5} {r.tokens:>7} {r.tok_per_s:>8.1f} {_ms(r.ttft_p50):>9} "
-                     f"{_ms(r.ttft_p99):>9} {_ms(r.itl_p50):>8} {_ms(r.itl_p99):>8} {r.errors:>6}")
-    lines.append("(TTFT and ITL in milliseconds)")
-    return "\n".join(lines)
+    columns = [("C", 3), ("reqs", 5), ("tokens", 7), ("tok/s", 8), ("TTFT p50", 9), ("TTFT p99", 9),
+               ("ITL p50", 8), ("ITL p99", 8), ("errors", 6)]
+    rows = [[str(r.concurrency), str(r.requests), str(r.tokens), f"{r.tok_per_s:.1f}", ms(r.ttft_p50),
+             ms(r.ttft_p99), ms(r.itl_p50), ms(r.itl_p99), str(r.errors)] for r in results]
+    return text_table(columns, rows, "(TTFT and ITL in milliseconds)")
 
 
 def base_url(url: str) -> str:

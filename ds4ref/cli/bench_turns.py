@@ -14,7 +14,6 @@ port, twice (the prefix cache on, then off: --no-prefix-cache), one at a time.
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import signal
 import socket
@@ -27,7 +26,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from .bench import WORDS, percentile
+from .bench import WORDS, StreamError, failure, ms, percentile, stream_chunks, text_table
 
 SERVER_START_S = 600.0  # the first start after an install compiles the Numba kernels
 
@@ -79,28 +78,19 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
     sample, reply = TurnSample(), []
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return sample, ""
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    sample.error = chunk["error"].get("message", "error event")
-                    return sample, ""
-                usage = chunk.get("usage")
-                if usage:
-                    sample.prompt_tokens = usage.get("prompt_tokens")
-                    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                for choice in chunk.get("choices", []):
-                    text = choice.get("delta", {}).get("content") or ""
-                    if (text or choice.get("delta", {}).get("reasoning_content")) and sample.ttft is None:
-                        sample.ttft = time.perf_counter() - t0
-                    reply.append(text)
-    except httpx.HTTPError as e:
-        sample.error = f"{type(e).__name__}: {e}"
+        async for chunk in stream_chunks(client, url, "/v1/chat/completions", body):
+            usage = chunk.get("usage")
+            if usage:
+                sample.prompt_tokens = usage.get("prompt_tokens")
+                sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {})
+                if (delta.get("content") or delta.get("reasoning_content")) and sample.ttft is None:
+                    sample.ttft = time.perf_counter() - t0
+                reply.append(delta.get("content") or "")
+    except (StreamError, httpx.HTTPError) as e:
+        sample.error = failure(e)
+        return sample, ""
     return sample, "".join(reply)
 
 
@@ -154,26 +144,20 @@ def _n(v: Optional[float], scale: float = 1.0, fmt: str = ".0f") -> str:
 
 
 def turns_table(results: list[TurnResult]) -> str:
-    head = f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT p50':>9} {'errors':>6}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(f"{r.turn:>4} {_n(r.prompt_tokens_p50):>7} {_n(r.cached_tokens_p50):>7} "
-                     f"{_n(r.ttft_p50, 1000, '.1f'):>9} {r.errors:>6}")
-    lines.append("(prompt and cached: tokens, p50; TTFT in milliseconds)")
-    return "\n".join(lines)
+    rows = [[str(r.turn), _n(r.prompt_tokens_p50), _n(r.cached_tokens_p50), ms(r.ttft_p50), str(r.errors)]
+            for r in results]
+    return text_table([("turn", 4), ("prompt", 7), ("cached", 7), ("TTFT p50", 9), ("errors", 6)], rows,
+                      "(prompt and cached: tokens, p50; TTFT in milliseconds)")
 
 
 def compare_table(on: list[TurnResult], off: list[TurnResult]) -> str:
-    head = (f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache on':>14} {'TTFT cache off':>15} "
-            f"{'off/on':>7}")
-    lines = [head, "-" * len(head)]
+    rows = []
     for a, b in zip(on, off):
         ratio = b.ttft_p50 / a.ttft_p50 if a.ttft_p50 and b.ttft_p50 else None
-        lines.append(f"{a.turn:>4} {_n(a.prompt_tokens_p50):>7} {_n(a.cached_tokens_p50):>7} "
-                     f"{_n(a.ttft_p50, 1000, '.1f'):>14} {_n(b.ttft_p50, 1000, '.1f'):>15} "
-                     f"{_n(ratio, 1, '.1f') + ('x' if ratio else ''):>7}")
-    lines.append("(prompt and cached: tokens, p50, cache on; TTFT p50 in milliseconds)")
-    return "\n".join(lines)
+        rows.append([str(a.turn), _n(a.prompt_tokens_p50), _n(a.cached_tokens_p50), ms(a.ttft_p50),
+                     ms(b.ttft_p50), "-" if ratio is None else f"{ratio:.1f}x"])
+    return text_table([("turn", 4), ("prompt", 7), ("cached", 7), ("TTFT cache on", 14), ("TTFT cache off", 15),
+                       ("off/on", 7)], rows, "(prompt and cached: tokens, p50, cache on; TTFT p50 in milliseconds)")
 
 
 # ---- starting the servers for --compare-prefix-cache -------------------------------------------------
