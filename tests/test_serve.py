@@ -497,6 +497,7 @@ def test_sigterm_shuts_down_gracefully():
     out, err = p.stdout.read(), p.stderr.read()
     assert "ds4-tiny" in out and "16 lanes" in out and "context 4096" in out
     assert f"passes of up to {PREFILL_ROWS} rows (prompt chunks of up to {PREFILL_ROWS})" in out
+    assert "prefix cache on" in out
     assert "runner stopped" in err
 
 
@@ -557,6 +558,19 @@ def test_bench_turns_replays_a_chat_and_reports_each_turn(server, capsys):
     assert 140 <= out[0]["prompt_tokens_p50"] < out[1]["prompt_tokens_p50"]
     assert out[0]["cached_tokens_p50"] == 0 < out[1]["cached_tokens_p50"]  # the first page of turn 1 is reused
     assert all(t["ttft_p50"] > 0 for t in out)
+
+
+def test_bench_turns_compares_two_servers_it_starts(capsys):
+    from ds4ref.cli import bench
+
+    rc = bench.main(["--turns", "2", "--conversations", "1", "--first-turn-tokens", "150", "--turn-tokens", "20",
+                     "--max-tokens", "2", "--compare-prefix-cache", "--json",
+                     "--serve-args", "--max-context 1024 --max-concurrency 1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    on, off = out["prefix_cache_on"], out["prefix_cache_off"]
+    assert [t["prompt_tokens_p50"] for t in on] == [t["prompt_tokens_p50"] for t in off]
+    assert on[1]["cached_tokens_p50"] > 0 and off[1]["cached_tokens_p50"] == 0
 
 
 @pytest.mark.parametrize("args, needle", [
