@@ -111,13 +111,29 @@ class Backend(Protocol):
         """Allocate storage for n_slots slots and a pool of n_pages pages."""
 
     def reset_slot(self, slot: int) -> None:
-        """Zero every piece of the slot's state (on admit and on retire)."""
+        """Zero the slot's own state and unmap its pages (on admit and on retire). The pages'
+        rows are left as they are: the prefix cache may share them; a page is zeroed when it
+        is next mapped fresh."""
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         """Physical page ids holding the slot's logical pages 0, 1, 2, ..."""
 
     def step(self, plan: StepPlan) -> StepResult:
         """Run one gathered pass."""
+
+    # The prefix cache (paging/prefix.py) needs these three; a backend without them serves
+    # with the cache off.
+    def save_state(self, slot: int) -> int:
+        """Snapshot the slot's state that is not in pages (raw window ring, compressors'
+        partial windows) and its position; returns the snapshot's id."""
+
+    def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
+        """A freshly reset slot takes the snapshot's state and position, with `pages` (holding
+        the rows of the positions before it, shared read-only) as the start of its block
+        table: mapped as they are, not zeroed."""
+
+    def drop_state(self, snapshot: int) -> None:
+        """Free a snapshot."""
 
 
 # ---- the protocol's checks, shared by every backend ------------------------------------------

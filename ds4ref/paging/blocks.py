@@ -15,10 +15,15 @@ Reservations keep the promises that make admission safe:
     page a live decoder needs next.
 
 Both are capped by the pages the sequence can ever use (prompt + output cap).
+
+A sequence resumed from the prefix cache starts its table with the cache's pages
+(`shared`): they hold its first positions already, count toward its table, and are
+given back to the cache, not the pool, when it ends.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .pool import PageHandle, PagePool, PoolExhausted, pages_for_tokens
 
@@ -32,17 +37,20 @@ class SlotPages:
 
 
 class BlockManager:
-    def __init__(self, pool: PagePool, n_slots: int):
+    def __init__(self, pool: PagePool, n_slots: int, cache=None):
         self.pool = pool
         self.n_slots = n_slots
+        self.cache = cache  # paging.prefix.PrefixCache, or None
         self._slots: dict[int, SlotPages] = {}
 
     def pages_for(self, n_tokens: int) -> int:
         return pages_for_tokens(n_tokens, self.pool.page_tokens)
 
     # ---- admission -------------------------------------------------------------
-    def first_reservation(self, prompt_tokens: int, lifetime_tokens: int) -> int:
-        return min(self.pages_for(prompt_tokens) + 1, self.pages_for(lifetime_tokens))
+    def first_reservation(self, prompt_tokens: int, lifetime_tokens: int, shared: int = 0) -> int:
+        """Pages a newcomer reserves: its prompt's and one more (capped by its lifetime), less
+        the `shared` pages the prefix cache maps for it."""
+        return min(self.pages_for(prompt_tokens) + 1, self.pages_for(lifetime_tokens)) - shared
 
     def fits_idle_pool(self, prompt_tokens: int, lifetime_tokens: int) -> bool:
         return self.first_reservation(prompt_tokens, lifetime_tokens) <= self.pool.n_pages
@@ -56,23 +64,30 @@ class BlockManager:
     def total_debt(self) -> int:
         return sum(self.debt(slot) for slot in self._slots)
 
-    def can_admit(self, prompt_tokens: int, lifetime_tokens: int) -> bool:
-        need = self.first_reservation(prompt_tokens, lifetime_tokens)
+    def can_admit(self, prompt_tokens: int, lifetime_tokens: int, shared: int = 0) -> bool:
+        need = self.first_reservation(prompt_tokens, lifetime_tokens, shared)
         return need + self.total_debt() <= self.pool.free_pages
 
-    def admit(self, slot: int, prompt_tokens: int, lifetime_tokens: int) -> None:
+    def admit(self, slot: int, prompt_tokens: int, lifetime_tokens: int,
+              shared: Sequence[PageHandle] = ()) -> None:
+        """A newcomer in slot; `shared`: the cache's pages holding its first positions (the
+        caller has acquired them, so they are not counted free)."""
         if slot in self._slots:
             raise ValueError(f"slot {slot} is already live")
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot} is outside 0..{self.n_slots - 1}")
         if not 1 <= prompt_tokens <= lifetime_tokens:
             raise ValueError(f"need 1 <= prompt ({prompt_tokens}) <= lifetime ({lifetime_tokens})")
-        if not self.can_admit(prompt_tokens, lifetime_tokens):
-            raise PoolExhausted(f"slot {slot}: {self.first_reservation(prompt_tokens, lifetime_tokens)} "
-                                f"pages + {self.total_debt()} owed to live sequences > "
+        if len(shared) * self.pool.page_tokens >= prompt_tokens:
+            raise ValueError(f"slot {slot}: {len(shared)} shared pages leave none of its {prompt_tokens} "
+                             f"prompt tokens to feed")
+        need = self.first_reservation(prompt_tokens, lifetime_tokens, len(shared))
+        if not self.can_admit(prompt_tokens, lifetime_tokens, len(shared)):
+            raise PoolExhausted(f"slot {slot}: {need} pages + {self.total_debt()} owed to live sequences > "
                                 f"{self.pool.free_pages} free")
-        self.pool.reserve(slot, self.first_reservation(prompt_tokens, lifetime_tokens))
-        self._slots[slot] = SlotPages(prompt_tokens, lifetime_tokens)
+        self.pool.reserve(slot, need)
+        self._slots[slot] = SlotPages(prompt_tokens, lifetime_tokens, len(shared) * self.pool.page_tokens,
+                                      list(shared))
 
     # ---- growth ------------------------------------------------------------------
     def missing_pages(self, slot: int, positions: int) -> int:
@@ -117,6 +132,11 @@ class BlockManager:
         return list(self._slots)
 
     def release(self, slot: int) -> None:
+        """Give slot's pages back: its own to the pool, the cached ones to the cache."""
         s = self._slots[slot]
-        self.pool.release(slot, s.table)
+        cached = [h for h in s.table if self.cache is not None and self.cache.owns(h)]
+        shared = set(cached)
+        self.pool.release(slot, [h for h in s.table if h not in shared])
+        for h in cached:
+            self.cache.unref(h)
         del self._slots[slot]

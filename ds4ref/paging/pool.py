@@ -3,11 +3,13 @@
 The pool only counts; it never touches tensor memory (the backend owns that,
 addressed by the page indices). Three kinds of page:
 
-  used      owned by a sequence, mapped in its block table
+  used      owned by a sequence, mapped in its block table, or by the prefix cache
   reserved  promised to a sequence, not yet taken; nobody else may take it
   free      neither: what newcomers and top-ups may claim
 
-free + reserved + used == n_pages at all times. Every failing call raises
+free + reserved + used == n_pages at all times (an idle cached page, below, counted once). With a prefix cache (paging/prefix.py) as
+the pool's `reclaimer`, the cached pages no sequence maps count as free too: allocate()
+has the cache evict one when no page is unowned. Every failing call raises
 before changing anything, so a caller can try and fall back.
 
 A handle is (page, generation). Freeing a page bumps its generation, so a
@@ -72,6 +74,7 @@ class PagePool:
             np.random.default_rng(order_seed).shuffle(order)
         self._free = order
         self._reserved: dict[Hashable, int] = defaultdict(int)
+        self.reclaimer = None  # .evictable() -> int, .evict_one(): a prefix cache's idle pages
 
     # ---- counts ----------------------------------------------------------
     @property
@@ -80,8 +83,8 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        """Pages anyone may claim: unowned and not promised to a sequence."""
-        return len(self._free) - self.reserved_pages
+        """Pages anyone may claim: unowned (or cached and idle) and not promised to a sequence."""
+        return len(self._free) + self._evictable() - self.reserved_pages
 
     @property
     def used_pages(self) -> int:
@@ -119,6 +122,8 @@ class PagePool:
         if not from_reservation and self.free_pages < 1:
             raise PoolExhausted(f"{owner!r} needs a page: none free "
                                 f"({self.used_pages} used, {self.reserved_pages} reserved)")
+        if not self._free:
+            self.reclaimer.evict_one()  # free_pages counted its idle pages, so it has one
         page = self._free.pop()
         if from_reservation:
             self._set_reserved(owner, self._reserved[owner] - 1)
@@ -130,6 +135,12 @@ class PagePool:
         self._generation[handle.page] += 1
         self._owner[handle.page] = None
         self._free.append(handle.page)
+
+    def transfer(self, handle: PageHandle, owner: Hashable, new_owner: Hashable) -> None:
+        """Hand owner's page to new_owner (the handle stays valid)."""
+        if self.owner_of(handle) != owner:
+            raise PoolError(f"page {handle.page} belongs to {self._owner[handle.page]!r}, not {owner!r}")
+        self._owner[handle.page] = new_owner
 
     def release(self, owner: Hashable, handles: list[PageHandle]) -> None:
         """Free all of owner's pages and drop its reservation (all checked first)."""
@@ -143,6 +154,9 @@ class PagePool:
         self.unreserve(owner)
 
     # ---- helpers -------------------------------------------------------------
+    def _evictable(self) -> int:
+        return self.reclaimer.evictable() if self.reclaimer is not None else 0
+
     def _set_reserved(self, owner: Hashable, n: int) -> None:
         if n:
             self._reserved[owner] = n
@@ -165,4 +179,5 @@ class PagePool:
         assert len(owned) + len(self._free) == self.n_pages, "a page is neither owned nor free"
         assert all(v > 0 for v in self._reserved.values()), "an empty reservation was kept"
         assert self.free_pages >= 0, "more pages reserved than are free"
-        assert self.free_pages + self.reserved_pages + self.used_pages == self.n_pages
+        # an idle cached page is both used (owned by the cache) and free (claimable): count it once
+        assert self.free_pages + self.reserved_pages + self.used_pages - self._evictable() == self.n_pages

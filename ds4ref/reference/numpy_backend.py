@@ -12,6 +12,7 @@ plan order, so a slot's results are bitwise those of running it alone, one row a
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_blo
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
-from .state import ATTN, INDEX, make_compressors, raw_window, row_kinds
+from .state import ATTN, make_compressors, raw_window, row_kinds
 
 
 class PagedSeqView:
@@ -77,6 +78,8 @@ class NumpyBackend:
                                                   self._row_dtype)
         self.block_tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(n_slots)]
         self.next_pos = np.zeros(n_slots, np.int64)
+        self.snapshots: dict[int, tuple] = {}  # id -> (ring, compressors, position)
+        self._next_snapshot = 0
 
     # ---- stored rows: the working float, or compact bytes (ds4ref.paging.compact) ------
     @property
@@ -107,9 +110,33 @@ class NumpyBackend:
         self.rings[slot] = 0
         for c in self.comps[slot].values():
             c.reset()
-        self._zero_pages(self.block_tables[slot])
-        self.block_tables[slot] = np.zeros(0, np.int64)
+        self.block_tables[slot] = np.zeros(0, np.int64)  # its pages are zeroed when mapped again
         self.next_pos[slot] = 0
+
+    # ---- snapshots (the prefix cache) ---------------------------------------------
+    def save_state(self, slot: int) -> int:
+        self._check_slot(slot)
+        comps = {k: copy.deepcopy(c) for k, c in self.comps[slot].items()}
+        self._next_snapshot += 1
+        self.snapshots[self._next_snapshot] = (self.rings[slot].copy(), comps, int(self.next_pos[slot]))
+        return self._next_snapshot
+
+    def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
+        self._check_slot(slot)
+        ring, comps, position = self.snapshots[snapshot]
+        table = np.asarray(pages, np.int64)
+        if self.next_pos[slot] or self.block_tables[slot].size:
+            raise ValueError(f"slot {slot} must be reset before it loads a snapshot")
+        check_block_table(slot, self.block_tables[slot], table, self.n_pages)
+        if table.size * self.layout.page_tokens < position:
+            raise ValueError(f"slot {slot}: {table.size} pages do not hold the snapshot's {position} positions")
+        self.rings[slot] = ring
+        self.comps[slot] = {k: copy.deepcopy(c) for k, c in comps.items()}
+        self.block_tables[slot] = table
+        self.next_pos[slot] = position
+
+    def drop_state(self, snapshot: int) -> None:
+        del self.snapshots[snapshot]
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self._check_slot(slot)

@@ -8,7 +8,12 @@ so a page mapped late, shared between slots or left over from a previous
 occupant changes the answer (or trips an assertion) instead of going unseen.
 
 It also enforces the protocol: rows of a slot at consecutive positions that
-continue the slot's history, tables that only grow and never share a page.
+continue the slot's history, tables that only grow, and pages shared between slots
+(the prefix cache's) read-only: a row may not write into a page another slot maps.
+Like a real backend it keeps state outside the pages (`carry`, the CRC of the slot's
+tokens so far, standing in for the raw window and the compressors): snapshots save and
+load it, and every row checks it against the history read through the pages, so a
+snapshot loaded over the wrong pages trips an assertion.
 """
 from __future__ import annotations
 
@@ -36,10 +41,29 @@ class HashBackend:
         self.memory = np.full((n_pages, page_tokens), -1, np.int64)  # token id per (page, offset)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.length = [0] * n_slots  # positions written per slot
+        self.carry = [0] * n_slots   # CRC of each slot's tokens so far
+        self.snapshots: dict[int, tuple[int, int]] = {}  # id -> (length, carry)
 
     def reset_slot(self, slot: int) -> None:
         self.tables[slot] = []
         self.length[slot] = 0
+        self.carry[slot] = 0
+
+    def save_state(self, slot: int) -> int:
+        sid = len(self.snapshots) + 1 + max(self.snapshots, default=0)
+        self.snapshots[sid] = (self.length[slot], self.carry[slot])
+        return sid
+
+    def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
+        if self.length[slot] or self.tables[slot]:
+            raise ProtocolError(f"slot {slot} loads a snapshot without a reset")
+        self.length[slot], self.carry[slot] = self.snapshots[snapshot]
+        self.tables[slot] = [int(p) for p in pages]
+        if self._crc(self.history(slot)) != self.carry[slot]:
+            raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
+
+    def drop_state(self, snapshot: int) -> None:
+        del self.snapshots[snapshot]
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         pages = [int(p) for p in pages]
@@ -47,9 +71,10 @@ class HashBackend:
             check_block_table(slot, self.tables[slot], pages, self.n_pages)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        for other, t in enumerate(self.tables):  # the engine's own rule, beyond the protocol's
-            if other != slot and set(t) & set(pages):
-                raise ProtocolError(f"slot {slot} maps pages {sorted(set(t) & set(pages))} of slot {other}")
+        for other, t in enumerate(self.tables):  # the engine's own rule: only cached pages are shared
+            shared = set(t) & set(pages[len(self.tables[slot]):])
+            if other != slot and shared:
+                raise ProtocolError(f"slot {slot} maps pages {sorted(shared)} of slot {other} as new pages")
         self.tables[slot] = pages
 
     def history(self, slot: int) -> np.ndarray:
@@ -58,8 +83,14 @@ class HashBackend:
         return self.memory[pages, pos % self.page_tokens]
 
     def logits_for(self, history: np.ndarray) -> np.ndarray:
-        seed = zlib.crc32(np.asarray(history, np.int64).tobytes())
+        return self._logits(self._crc(history))
+
+    def _logits(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(self.vocab_size).astype(np.float32)
+
+    @staticmethod
+    def _crc(history) -> int:
+        return zlib.crc32(np.asarray(history, np.int64).tobytes())
 
     def step(self, plan: StepPlan) -> StepResult:
         rows = plan.rows()
@@ -71,15 +102,23 @@ class HashBackend:
         self.passes.append(plan)
         logits, argmax = [], []
         for r in rows:
+            if self._crc(self.history(r.slot)) != self.carry[r.slot]:
+                raise ProtocolError(f"slot {r.slot}: its state no longer matches the history in its pages")
             self._write(r.slot, r.position, r.token)
-            lg = self.logits_for(self.history(r.slot))
+            # the CRC of the history through this row, by extending the state's (crc32 chains)
+            self.carry[r.slot] = zlib.crc32(np.asarray([r.token], np.int64).tobytes(), self.carry[r.slot])
+            lg = self._logits(self.carry[r.slot])
             logits.append(lg if r.want_logits else None)
             argmax.append(int(np.argmax(lg)) if r.emit else -1)
         return StepResult(logits, np.asarray(argmax, np.int32))
 
     def _write(self, slot: int, position: int, token: int) -> None:
-        logical = position // self.page_tokens
-        self.memory[self.tables[slot][logical], position % self.page_tokens] = token
+        page = self.tables[slot][position // self.page_tokens]
+        for other, t in enumerate(self.tables):
+            if other != slot and page in t:
+                raise ProtocolError(f"slot {slot} writes position {position} into page {page}, "
+                                    f"which slot {other} maps")
+        self.memory[page, position % self.page_tokens] = token
         self.length[slot] += 1
 
 

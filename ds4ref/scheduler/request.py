@@ -58,6 +58,7 @@ class FinishEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     message: str = ""
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 Event = Union[TokenEvent, FinishEvent]

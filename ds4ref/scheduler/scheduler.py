@@ -220,7 +220,7 @@ class Scheduler:
         start = self._rotation % len(prompts)
         self._rotation += 1
         for s in prompts[start:] + prompts[:start]:
-            n = min(self.prompt_quantum, s.prompt_left, rows_left)
+            n = min(self.prompt_quantum, s.prompt_left, rows_left, self.engine.rows_to_snapshot(s.slot))
             while n and self.engine.free_page_cost(s.slot, n) > budget:
                 n -= 1  # prompts hold reservations, so this only guards the invariant
             if n:
@@ -255,7 +255,7 @@ class Scheduler:
     def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
         self.engine.retire(s.slot)
         self._running.pop(s.request.req_id, None)
-        return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message)
+        return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens)
 
     def _break_stall(self) -> list[Event]:
         """Nothing could run although _make_room had its turn: a bookkeeping bug, never
@@ -282,7 +282,8 @@ class Scheduler:
                 except Exception:
                     log.exception("slot %d: reset after a failed pass also failed", s.slot)
                 self._running.pop(s.request.req_id, None)
-                events.append(FinishEvent(s.request.req_id, "error", s.prompt_len, len(s.generated), msg))
+                events.append(FinishEvent(s.request.req_id, "error", s.prompt_len, len(s.generated), msg,
+                                          s.cached_tokens))
         return events
 
 

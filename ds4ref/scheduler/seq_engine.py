@@ -14,10 +14,18 @@ preempt(slot) gives a sequence's slot and pages back but keeps its sampler (the
 tokens, random stream and constraint state so far); admitting it again with
 `resume=` recomputes prompt + generated tokens as one longer prompt, which is
 exact because a prefill row equals the decode row it replaces bitwise.
+
+With the prefix cache (paging/prefix.py), every page a sequence fills is registered
+under its tokens, and at chosen page boundaries the backend's state is snapshotted: the
+boundary at or before its prompt's end, every `snapshot_every` pages of its prompt, and
+every boundary it reaches while decoding. A newcomer (or a preempted sequence coming
+back) whose tokens start with cached pages ending at a snapshot takes those pages and
+that state, and feeds only the rest. Prompt chunks end at the snapshot boundaries
+(rows_to_snapshot), which changes no bit: chunking never does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,6 +34,7 @@ from ..console import plural
 from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
+from ..paging.prefix import Match, PrefixCache
 from .request import Request
 from .sampling import Choice, SlotSampler
 
@@ -65,6 +74,8 @@ class Seq:
     sampler: SlotSampler
     fed: int = 0             # positions already run through the backend
     prompt_len: int = -1     # the request's own prompt (self.prompt also holds recomputed tokens)
+    cached_tokens: int = 0   # prompt tokens its first admission took from the prefix cache
+    keys: list = field(default_factory=list)  # prefix-cache keys of its full pages, in order
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -87,6 +98,10 @@ class Seq:
         """Positions this sequence can ever feed (its last token is never fed back)."""
         return self.prompt_len + self.max_new - 1
 
+    def history(self) -> list[int]:
+        """Its tokens by position: the request's prompt, then everything generated."""
+        return self.prompt[:self.prompt_len] + self.generated
+
     def tokens(self, rows: int) -> list[int]:
         if self.prompting:
             return self.prompt[self.fed:self.fed + rows]
@@ -96,10 +111,14 @@ class Seq:
 class SeqEngine:
     def __init__(self, backend: Backend, config, max_concurrency: int = 16,
                  kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
-                 max_context: Optional[int] = None, page_order_seed: Optional[int] = None):
+                 max_context: Optional[int] = None, page_order_seed: Optional[int] = None,
+                 prefix_cache: bool = True, snapshot_every: int = 8, max_snapshots: Optional[int] = None):
         """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them).
         max_concurrency: live sequences, at most the decode lanes (DECODE_LANES, or the backend's
-        max_pass_rows if smaller), since every one of them may be decoding in the same pass."""
+        max_pass_rows if smaller), since every one of them may be decoding in the same pass.
+        prefix_cache: reuse cached pages and state (a backend without save_state/load_state/
+        drop_state runs without); snapshot_every: pages between a prompt's snapshots;
+        max_snapshots: snapshots held at once (default 8 per slot)."""
         lanes = min(DECODE_LANES, backend.max_pass_rows)
         if not 1 <= max_concurrency <= lanes:
             raise ValueError(f"max_concurrency must be in 1..{lanes} (decode lanes), got {max_concurrency}")
@@ -114,7 +133,13 @@ class SeqEngine:
         self.kv_pool_tokens = kv_pool_tokens
         n_pages = pool_pages(max_concurrency, self.max_context, kv_pool_tokens, page_tokens)
         self.pool = PagePool(n_pages, page_tokens, order_seed=page_order_seed)
-        self.blocks = BlockManager(self.pool, max_concurrency)
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 page, got {snapshot_every}")
+        self.snapshot_every = snapshot_every
+        snapshots = all(hasattr(backend, m) for m in ("save_state", "load_state", "drop_state"))
+        self.cache = (PrefixCache(self.pool, backend.drop_state, max_snapshots or 8 * max_concurrency)
+                      if prefix_cache and snapshots else None)
+        self.blocks = BlockManager(self.pool, max_concurrency, self.cache)
         self.seqs: dict[int, Seq] = {}
         self._admitted = 0
         backend.configure(max_concurrency, n_pages, page_tokens)
@@ -157,15 +182,26 @@ class SeqEngine:
             seq = Seq(request, -1, self._admitted, prompt, self.output_cap(request),
                       SlotSampler(request.sampling, prompt, request.constraint))
         else:  # recompute everything it had: its prompt and the tokens it generated
-            seq = Seq(request, -1, resume.order, resume.prompt[:resume.prompt_len] + resume.generated,
-                      resume.max_new, resume.sampler, prompt_len=resume.prompt_len)
-        if not self.blocks.can_admit(len(seq.prompt), seq.lifetime):
+            seq = Seq(request, -1, resume.order, resume.history(), resume.max_new, resume.sampler,
+                      prompt_len=resume.prompt_len, cached_tokens=resume.cached_tokens)
+        match = self.cache.match(seq.prompt) if self.cache is not None else Match([], None)
+        if self.cache is not None:
+            self.cache.acquire(match.pages)  # mapped from now on: no longer the pool's to reclaim
+        if not self.blocks.can_admit(len(seq.prompt), seq.lifetime, len(match.pages)):
+            for p in match.pages:
+                self.cache.unref(p.handle)
             return Admission("busy", reason="not enough free pages")
         if resume is None:
             self._admitted += 1
+            seq.cached_tokens = match.tokens
         seq.slot = min(set(range(self.max_concurrency)) - set(self.seqs))
         self.backend.reset_slot(seq.slot)
-        self.blocks.admit(seq.slot, len(seq.prompt), seq.lifetime)
+        self.blocks.admit(seq.slot, len(seq.prompt), seq.lifetime, [p.handle for p in match.pages])
+        if match.pages:
+            self.backend.load_state(seq.slot, match.snapshot, [p.handle.page for p in match.pages])
+            seq.fed, seq.keys = match.tokens, [p.key for p in match.pages]
+        if self.cache is not None:
+            self.cache.record(match)
         self.seqs[seq.slot] = seq
         return Admission("admitted", slot=seq.slot)
 
@@ -191,6 +227,18 @@ class SeqEngine:
     def free_pages(self) -> int:
         return self.pool.free_pages
 
+    def rows_to_snapshot(self, slot: int) -> int:
+        """Prompt rows slot may run before the next page boundary that wants a snapshot (all
+        that are left without the cache): a prompt chunk ends there, so the state there is seen."""
+        s = self.seqs[slot]
+        if self.cache is None:
+            return s.prompt_left
+        T, n = self.pool.page_tokens, len(s.prompt)
+        for b in range(s.fed // T + 1, n // T + 1):
+            if b % self.snapshot_every == 0 or b == n // T:
+                return b * T - s.fed
+        return s.prompt_left
+
     def free_page_cost(self, slot: int, rows: int) -> int:
         """Free (unreserved) pages that running `rows` more rows of slot would take."""
         s = self.seqs[slot]
@@ -204,8 +252,28 @@ class SeqEngine:
         result = self.backend.step(StepPlan.from_rows(rows, self.max_pass_rows))
         self._check(rows, result)
         outcomes = self._advance(work, result)
+        if self.cache is not None:
+            for w in work:
+                self._cache_progress(self.seqs[w.slot])
         self.blocks.top_up([s.slot for s in self.live()])
         return outcomes
+
+    def _cache_progress(self, s: Seq) -> None:
+        """Register the pages s has filled, and snapshot its state at a boundary that wants one."""
+        T = self.pool.page_tokens
+        if len(s.keys) < s.fed // T:
+            history, handles = s.history(), self.blocks.handles(s.slot)
+            while len(s.keys) < s.fed // T:
+                j = len(s.keys)
+                s.keys.append(self.cache.register(s.slot, handles[j], s.keys[-1] if s.keys else b"", j,
+                                                  history[j * T:(j + 1) * T]))
+        b = s.fed // T
+        if s.fed % T or not b or self.cache.has_snapshot(s.keys[-1]):
+            return
+        if not s.prompting or b % self.snapshot_every == 0 or b == len(s.prompt) // T:
+            snapshot = self.backend.save_state(s.slot)
+            if not self.cache.attach_snapshot(s.keys[-1], snapshot):
+                self.backend.drop_state(snapshot)
 
     def _rows(self, work: Sequence[Work]) -> list[Row]:
         """Validate the plan and lay out its rows; changes nothing."""
@@ -269,6 +337,7 @@ class SeqEngine:
         return outcomes
 
     def stats(self) -> dict:
+        cache = self.cache.stats() if self.cache is not None else dict.fromkeys(PrefixCache.STATS, 0)
         return {"live": len(self.seqs), "pages_total": self.pool.n_pages,
                 "pages_used": self.pool.used_pages, "pages_reserved": self.pool.reserved_pages,
-                "pages_free": self.pool.free_pages}
+                "pages_free": self.pool.free_pages, **cache}

@@ -1,0 +1,182 @@
+"""The prefix cache changes no bit: a request that resumes from cached pages and a snapshot
+gets the tokens, logprobs and finish of the same request computed from token 0.
+
+* Over HashBackend (whose tokens depend on each sequence's whole history, read back through
+  its pages, and whose snapshot state is checked against those pages on every row): random
+  conversations with shared prefixes of random lengths, random arrivals and cancellations,
+  pools small enough to evict and to preempt. Every request gets its solo continuation and
+  the pool and cache balance.
+* Over the NumPy reference (the embedded tiny model, both numerics): multi-turn
+  conversations whose history runs past several compression windows of both ratios and the
+  indexer's top-k, greedy and seeded sampling with logprobs, served with the cache and by a
+  fresh engine without it: equal bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import ds4ref
+from ds4ref.scheduler import FinishEvent, Request, Sampling, TokenEvent
+from ds4ref.scheduler.engine import Engine
+from ds4ref.scheduler.hash_backend import reference_tokens
+from test_scheduler import EOS, VOCAB, check_balanced, expected, toy_model
+
+T = 128  # page tokens
+
+
+def history(seed: int, n: int, vocab: int = VOCAB) -> list[int]:
+    return np.random.default_rng(seed).integers(2, vocab, n).tolist()
+
+
+# ---- HashBackend: scheduling, eviction, preemption ------------------------------------------
+
+conversations = st.integers(2, 8).flatmap(lambda n: st.tuples(
+    st.integers(0, 10_000),                                                    # the shared root's seed
+    st.lists(st.tuples(st.integers(0, 600), st.integers(1, 150), st.integers(1, 40), st.booleans()),
+             min_size=n, max_size=n),  # per request: prefix of the root it shares, own tokens, new tokens, ignore_eos
+    st.lists(st.integers(0, 40), min_size=n, max_size=n),                       # arrival pass
+    st.lists(st.one_of(st.none(), st.integers(0, 80)), min_size=n, max_size=n),  # cancel pass
+    st.integers(1, 6),                                                         # max_concurrency
+    st.one_of(st.none(), st.integers(1200, 4000)),                             # kv_pool_tokens
+    st.sampled_from([1, 2, 8]),                                                # snapshot_every
+    st.integers(0, 100)))                                                      # page order seed
+
+
+@settings(max_examples=40, deadline=None)
+@given(conversations)
+def test_shared_prefixes_give_every_request_its_solo_tokens(c):
+    root_seed, specs, arrive, cancel, conc, pool_tokens, every, order = c
+    root = history(root_seed, 600)
+    reqs = [Request(root[:k] + history(root_seed + 1 + i, own), m, ignore_eos=ign)
+            for i, (k, own, m, ign) in enumerate(specs)]
+    eng = Engine(toy_model(), max_concurrency=conc, kv_pool_tokens=pool_tokens, backend="hash",
+                 page_order_seed=order)
+    eng.seq_engine.snapshot_every = every
+    outs = eng.run(reqs, arrivals=dict(enumerate(arrive)),
+                   cancel_at={i: at for i, at in enumerate(cancel) if at is not None})
+    for r, out, fin in zip(reqs, outs, eng.finishes):
+        want, why = expected(r)
+        assert isinstance(fin, FinishEvent)
+        if fin.reason == "cancelled" or (fin.reason == "length" and fin.message):
+            assert out == want[:len(out)]
+        else:
+            assert (out, fin.reason) == (want, why)
+        assert fin.cached_tokens % T == 0 and fin.cached_tokens < len(r.prompt_ids)
+    check_balanced(eng)
+
+
+def test_a_second_turn_resumes_at_the_deepest_snapshot():
+    """Turn 2 = turn 1's prompt + its output + new tokens: it takes every page of turn 1's
+    prompt and the pages decoding filled, up to the last boundary turn 1 reached."""
+    eng = Engine(toy_model(), max_concurrency=2, backend="hash")
+    first = Request(history(1, 300), 100, ignore_eos=True)
+    out1 = eng.run([first])[0]
+    assert eng.finishes[0].cached_tokens == 0
+    second = Request(first.prompt_ids + out1 + history(2, 50), 10, ignore_eos=True)
+    out2 = eng.run([second])[0]
+    assert out2 == reference_tokens(second.prompt_ids, 10, VOCAB)
+    # turn 1 fed 300 + 99 positions: pages 0..2 are full, and decoding snapshotted at 384
+    assert eng.finishes[0].cached_tokens == 3 * T
+    st_ = eng.seq_engine.stats()
+    assert st_["prefix_hits"] == 1 and st_["prefix_misses"] == 1 and st_["prefix_cached_tokens"] == 3 * T
+    check_balanced(eng)
+
+
+def test_idle_cached_pages_are_evicted_least_recent_first_and_never_while_mapped():
+    eng = Engine(toy_model(), max_concurrency=1, kv_pool_tokens=6 * T, backend="hash")
+    cache = eng.seq_engine.cache
+    a = Request(history(3, 3 * T + 5), 2, ignore_eos=True)
+    eng.run([a])
+    assert cache.pages == 3
+    b = Request(history(4, 5 * T + 5), 2, ignore_eos=True)  # needs 6 pages: evicts a's
+    assert eng.run([b])[0] == reference_tokens(b.prompt_ids, 2, VOCAB)
+    assert eng.seq_engine.stats()["prefix_evictions"] >= 1
+    again = Request(b.prompt_ids[:5 * T] + [5, 6], 2, ignore_eos=True)  # b's pages are the newest
+    assert eng.run([again])[0] == reference_tokens(again.prompt_ids, 2, VOCAB)
+    assert eng.finishes[0].cached_tokens == 5 * T
+    check_balanced(eng)
+
+
+def test_no_prefix_cache_keeps_no_pages():
+    eng = Engine(toy_model(), max_concurrency=2, backend="hash", prefix_cache=False)
+    r = Request(history(5, 400), 5, ignore_eos=True)
+    eng.run([r, Request(r.prompt_ids + [3], 5, ignore_eos=True)])
+    assert eng.seq_engine.cache is None and [f.cached_tokens for f in eng.finishes] == [0, 0]
+    st_ = eng.seq_engine.stats()
+    assert st_["pages_used"] == 0 and st_["prefix_hits"] == st_["prefix_cached_pages"] == 0
+
+
+# ---- the reference: equal bits ----------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["official", "plain"])
+def tiny(request):
+    return ds4ref.load(numerics=request.param)
+
+
+def run_events(engine: Engine, reqs):
+    """Per request: (tokens, [(logprob, top logprobs) per token], finish reason), the floats as bits."""
+    outs = engine.run(reqs)
+    lps = [[] for _ in reqs]
+    index = {r.req_id: i for i, r in enumerate(reqs)}
+    for ev in engine.events:
+        if isinstance(ev, TokenEvent):
+            top = None if ev.top_logprobs is None else [(t, np.float32(v).view(np.uint32).item())
+                                                        for t, v in ev.top_logprobs]
+            lp = None if ev.logprob is None else np.float32(ev.logprob).view(np.uint32).item()
+            lps[index[ev.req_id]].append((lp, top))
+    return [(o, lp, f.reason) for o, lp, f in zip(outs, lps, engine.finishes)]
+
+
+SAMPLINGS = [Sampling(logprobs=3), Sampling(temperature=0.9, seed=11, logprobs=2)]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 1000), first=st.integers(260, 700), turn=st.integers(20, 300),
+       sampling=st.integers(0, 1), every=st.sampled_from([1, 2, 8]))
+def test_cached_turns_equal_computing_from_scratch(tiny, seed, first, turn, sampling, every):
+    """Three turns of one conversation; each later turn starts from cached pages and a
+    snapshot (past several windows of ratio 4 and 128 and the indexer's top-k of 8)."""
+    V = tiny.config.vocab_size
+    cached = Engine(tiny, max_concurrency=2)
+    cached.seq_engine.snapshot_every = every
+    prompt = history(seed, first, V)
+    for t in range(3):
+        req = lambda: Request(list(prompt), 24, sampling=SAMPLINGS[sampling], ignore_eos=True)  # noqa: E731
+        got = run_events(cached, [req()])[0]
+        hit = cached.finishes[0].cached_tokens
+        assert (hit > 0) == (t > 0), (t, hit)  # every later turn resumes past its first page
+        want = run_events(Engine(tiny, max_concurrency=2, prefix_cache=False), [req()])[0]
+        assert got == want, f"turn {t}: the cached run's bits differ from the run from scratch"
+        prompt = prompt + got[0] + history(seed + 1 + t, turn, V)
+    check_balanced(cached)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 1000), root=st.integers(130, 400), own=st.integers(1, 60),
+       arrive=st.lists(st.integers(0, 12), min_size=3, max_size=3), cancel=st.sampled_from([None, 5, 20]))
+def test_concurrent_sharers_under_page_pressure_equal_their_solo_bits(tiny, seed, root, own, arrive, cancel):
+    """Three requests on one root arrive at random passes into a pool too small for all of
+    them: they share its pages, get preempted and come back through the cache, and one may be
+    cancelled; each one's bits are those it gets alone, from scratch."""
+    V = tiny.config.vocab_size
+    base = history(seed, root, V)
+    reqs = lambda: [Request(base + history(seed + 1 + i, own, V), 40, sampling=SAMPLINGS[i % 2],  # noqa: E731
+                            ignore_eos=True) for i in range(3)]
+    eng = Engine(tiny, max_concurrency=3, kv_pool_tokens=-(-(root + own + 40) // T) * T + 2 * T)
+    eng.seq_engine.snapshot_every = 1
+    cancel_at = {} if cancel is None else {2: cancel}
+    outs = eng.run(reqs(), arrivals=dict(enumerate(arrive)), cancel_at=cancel_at)
+    index = {f.req_id: i for i, f in enumerate(eng.finishes)}
+    lps = [[] for _ in outs]
+    for ev in eng.events:
+        if isinstance(ev, TokenEvent):
+            lps[index[ev.req_id]].append(np.float32(ev.logprob).view(np.uint32).item())
+    for i, r in enumerate(reqs()):
+        want = run_events(Engine(tiny, max_concurrency=1, prefix_cache=False), [r])[0]
+        n = len(outs[i])
+        assert outs[i] == want[0][:n] and lps[i] == [lp for lp, _ in want[1][:n]]
+        if eng.finishes[i].reason != "cancelled":
+            assert n == 40
+    check_balanced(eng)
