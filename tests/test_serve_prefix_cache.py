@@ -30,7 +30,7 @@ def post(server, path, body):
 
 def ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, 1000) for _ in range(n)]
+    return [rng.randrange(100, 500) for _ in range(n)]
 
 
 def cached_tokens(body: dict) -> int:
@@ -70,7 +70,7 @@ def test_chat_turns_report_cached_tokens_streamed_and_not(servers):
     words = "river stone lantern orbit maple copper signal harbor meadow thunder".split()
     rng = random.Random(3)
     messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(300))}]
+                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(80))}]
     body = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
     turn1 = post(cached, "/v1/chat/completions", dict(body, messages=messages))
     messages += [turn1["choices"][0]["message"], {"role": "user", "content": "and then?"}]
@@ -109,6 +109,6 @@ def test_metrics_count_hits_misses_and_cached_pages(servers):
     assert values["ds4_prefix_cache_hits_total"] >= 1 and values["ds4_prefix_cache_misses_total"] >= 1
     assert values["ds4_prefix_cache_cached_tokens_total"] >= PAGE
     assert values["ds4_prefix_cache_pages"] >= 1
-    assert {"ds4_prefix_cache_evictions_total", "ds4_prefix_cache_snapshots_total"} <= set(values)
+    assert "ds4_prefix_cache_evictions_total" in values and values["ds4_prefix_cache_snapshots"] >= 1
     plain_text = httpx.get(plain.url + "/metrics").text
     assert "ds4_prefix_cache_hits_total 0" in plain_text

@@ -51,7 +51,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
-                    f"{'on' if prefix_cache else 'off'}")
+                    f"{'on' if engine.cache is not None else 'off' if not prefix_cache else NO_SNAPSHOTS}")
     state.plan = summary(plan)
     return state
 
@@ -124,7 +124,7 @@ def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurre
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)
-            + "\n" + prefix_cache_line(plan.n_pages, prefix_cache))
+            + "\n" + prefix_cache_line(plan, prefix_cache, backend))
     try:
         check_plan(plan, backend, memory_budget)
     except PlanError as e:
@@ -132,12 +132,25 @@ def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurre
     return text, None
 
 
-def prefix_cache_line(n_pages: int, on: bool) -> str:
-    """The dry run's word on the prefix cache: its pages are the pool's."""
+# Only the numpy backend can snapshot a lane's unpaged state (save_state/load_state), without
+# which SeqEngine runs uncached; the dry run must say so without importing the hip backend.
+SNAPSHOT_BACKENDS = ("numpy",)
+NO_SNAPSHOTS = "off (this backend cannot snapshot a lane's state)"
+SNAPSHOTS_PER_LANE = 8  # SeqEngine's default max_snapshots is this many per lane
+
+
+def prefix_cache_line(plan, on: bool, backend: str) -> str:
+    """The dry run's word on the prefix cache: its pages are the pool's; its snapshots are not."""
+    from ..paging.plan import size
     if not on:
         return "prefix cache    off (--no-prefix-cache)"
-    return (f"prefix cache    on: cached prefixes live in the paged history's {n_pages} pages (the KV page pool, "
-            f"shared with running requests); a page no request holds stays cached until a request needs it")
+    if backend not in SNAPSHOT_BACKENDS:
+        return f"prefix cache    {NO_SNAPSHOTS}"
+    most = SNAPSHOTS_PER_LANE * plan.lanes
+    return (f"prefix cache    on: cached prefixes live in the paged history's {plan.n_pages} pages (the KV page "
+            f"pool, shared with running requests); a page no request holds stays cached until a request needs "
+            f"it. Beside them up to {most} snapshots of a lane's unpaged state, about {size(plan.per_slot)} "
+            f"each ({size(most * plan.per_slot)} at most, not in the total above)")
 
 
 def create_app(state):
