@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from .bench import WORDS, StreamError, failure, ms, percentile, stream_chunks, text_table
+from .bench_util import WORDS, StreamError, failure, ms, percentile, stream_chunks, text_table
 
 SERVER_START_S = 600.0  # the first start after an install compiles the Numba kernels
 
