@@ -66,6 +66,7 @@ def scripted_state(next_token, max_concurrency: int = 2, max_context: int = 1024
     import numpy as np
 
     import ds4ref
+    from ds4ref.backend import StepResult
     from ds4ref.scheduler.hash_backend import HashBackend
     from ds4ref.scheduler.scheduler import Scheduler
     from ds4ref.scheduler.seq_engine import SeqEngine
@@ -74,7 +75,18 @@ def scripted_state(next_token, max_concurrency: int = 2, max_context: int = 1024
     from ds4ref.serve.runner import Runner
 
     class Scripted(HashBackend):
-        def logits_for(self, history):
+        """HashBackend's paging and protocol checks, the script's logits: each row's from the
+        history through it, read through the slot's pages (cached ones included)."""
+        def step(self, plan):
+            super().step(plan)  # writes the rows, checks the protocol
+            logits, argmax = [], []
+            for r in plan.rows():
+                lg = self.scripted(self.history(r.slot)[:r.position + 1]) if r.want_logits or r.emit else None
+                logits.append(lg if r.want_logits else None)
+                argmax.append(int(np.argmax(lg)) if r.emit else -1)
+            return StepResult(logits, np.asarray(argmax, np.int32))
+
+        def scripted(self, history):
             out = np.zeros(self.vocab_size, np.float32)
             out[next_token([int(t) for t in history])] = 100.0  # certain even at temperature 1
             return out

@@ -260,3 +260,65 @@ def test_openai_client_tool_chat_reaches_the_model_as_the_official_prompt(offici
     assert [m["role"] for m in sent[-1]["messages"]] == ["system", "user", "assistant", "tool", "user"]
     back = sent[-1]["messages"][2]
     assert back["tool_calls"][0]["function"]["name"] == "get_weather" and back["reasoning_content"] == "weigh it"
+
+
+# ---- the next turn's prompt begins with this turn's (what a prefix cache can reuse) ----------------
+
+def reply_text(reply: dict, reasoning_kept: bool) -> str:
+    """An assistant message as the template renders it when it is history: what the model wrote
+    after the generation prompt (reasoning and `</think>` only where the rules keep them)."""
+    from ds4ref.serve.chat import render_tool_calls
+
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.get("tool_calls", [])]
+    head = reply.get("reasoning_content", "") + "</think>" if reasoning_kept else ""
+    return head + reply["content"] + (render_tool_calls(calls) if calls else "") + E
+
+
+replies = st.builds(lambda t, r, c: assistant(t, r, c or None), words, st.one_of(st.none(), words),
+                    st.lists(a_call, max_size=2, unique_by=lambda c: c["id"]))
+history_ending = st.one_of(st.builds(user, words), st.builds(tool, call_ids, words))
+
+
+@settings(max_examples=200)
+@given(st.lists(message, max_size=6), history_ending, replies, st.booleans(), st.booleans(),
+       st.sampled_from([None, [WEATHER], [WEATHER, CLOCK]]), st.sampled_from([None, "high", "max"]), words)
+def test_next_turn_prompt_begins_with_this_turns(tiny_tokenizer, body, last, reply, results_next, thinking, tools,
+                                                 effort, new_text):
+    """Turn k+1 = turn k's messages + the assistant's reply + a new user message (or, when the
+    reply called tools, their results). By the official encoder's rules:
+
+    * chat mode, or thinking mode with tools: turn k's prompt is a prefix of turn k+1's, and
+      the reply follows it as the model wrote it (in thinking mode with tools, its reasoning
+      and `</think>` too): the whole conversation so far is shared;
+    * thinking mode without tools: earlier turns lose their reasoning, and the user turn that
+      was last is now followed by `</think>` instead of `<think>`. Turn k's prompt but its
+      last token (that `<think>`) is shared; then `</think>`, the reply's answer and tool calls.
+
+    Token ids agree as far as the text does: every boundary is an added token."""
+    messages = body + [last]
+    new = ([tool(c["id"], new_text) for c in reply["tool_calls"]] if results_next and reply.get("tool_calls")
+           else [user(new_text)])
+    options = {"thinking": thinking, "tools": tools, "reasoning_effort": effort}
+    this, following = render_chat(messages, **options), render_chat(messages + [reply] + new, **options)
+    ids, next_ids = (encode_chat(tiny_tokenizer, m, **options) for m in (messages, messages + [reply] + new))
+    keeps_all = not thinking or tools is not None
+    assert this.endswith(A + ("<think>" if thinking else "</think>"))
+    if keeps_all:
+        shared_ids, after = ids, reply_text(reply, reasoning_kept=thinking)
+    else:
+        shared_ids, after = ids[:-1], "</think>" + reply_text(reply, reasoning_kept=False)
+    assert following.startswith(this[:len(this) - (not keeps_all) * len("<think>")] + after)
+    assert next_ids[:len(shared_ids)] == shared_ids
+    after_ids = tiny_tokenizer.encode(after, special=True)
+    assert next_ids[len(shared_ids):len(shared_ids) + len(after_ids)] == after_ids
+
+
+def test_a_developer_message_last_in_thinking_mode_is_dropped_at_the_next_turn():
+    """In thinking mode without tools, developer messages before the last user turn are dropped:
+    one that ended turn k is gone from turn k+1, and the shared prefix ends where it began."""
+    dev = {"role": "developer", "content": "rules"}
+    messages = [user("q1"), dev]
+    this = render_chat(messages, thinking=True)
+    following = render_chat(messages + [assistant("a1", "r1"), user("q2")], thinking=True)
+    assert this == B + U + "q1" + U + "rules" + A + "<think>"
+    assert following == B + U + "q1" + A + "</think>" + "a1" + E + U + "q2" + A + "<think>"

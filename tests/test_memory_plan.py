@@ -109,6 +109,9 @@ def test_dry_run_prints_the_plan_and_exits_0(no_tensor_data, capsys):
         assert line in out
     assert f"{plan.total:,}" in out and "host RAM" in out
     assert f"{4 * 8} pages x {plan.layout.page_bytes('compact'):,} B (compact KV rows)" in out
+    assert f"prefix cache    on: cached prefixes live in the paged history's {4 * 8} pages" in out
+    assert main(["--dry-run", "--no-prefix-cache"]) == 0
+    assert "prefix cache    off (--no-prefix-cache)" in capsys.readouterr().out
 
 
 def test_dry_run_of_the_hip_backend_opens_no_device(no_tensor_data, capsys, monkeypatch):

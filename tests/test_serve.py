@@ -497,6 +497,7 @@ def test_sigterm_shuts_down_gracefully():
     out, err = p.stdout.read(), p.stderr.read()
     assert "ds4-tiny" in out and "16 lanes" in out and "context 4096" in out
     assert f"passes of up to {PREFILL_ROWS} rows (prompt chunks of up to {PREFILL_ROWS})" in out
+    assert "prefix cache on" in out
     assert "runner stopped" in err
 
 
@@ -545,3 +546,42 @@ def test_page_pressure_preempts_instead_of_truncating():
         assert s.wait_idle(10)
         stats = s.runner.scheduler.stats()
         assert stats["pages_used"] == stats["prefix_cached_pages"] and stats["pages_reserved"] == 0
+
+
+def test_bench_turns_replays_a_chat_and_reports_each_turn(server, capsys):
+    from ds4ref.cli import bench
+
+    rc = bench.main(["--url", server.url, "--turns", "2", "--conversations", "1", "--first-turn-tokens", "150",
+                     "--turn-tokens", "20", "--max-tokens", "3", "--json"])
+    out = json.loads(capsys.readouterr().out)["turns"]
+    assert rc == 0 and [t["turn"] for t in out] == [1, 2] and all(t["errors"] == 0 for t in out)
+    assert 140 <= out[0]["prompt_tokens_p50"] < out[1]["prompt_tokens_p50"]
+    assert out[0]["cached_tokens_p50"] == 0 < out[1]["cached_tokens_p50"]  # the first page of turn 1 is reused
+    assert all(t["ttft_p50"] > 0 for t in out)
+
+
+def test_bench_turns_compares_two_servers_it_starts(capsys):
+    from ds4ref.cli import bench
+
+    rc = bench.main(["--turns", "2", "--conversations", "1", "--first-turn-tokens", "150", "--turn-tokens", "20",
+                     "--max-tokens", "2", "--compare-prefix-cache", "--json",
+                     "--serve-args", "--max-context 1024 --max-concurrency 1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    on, off = out["prefix_cache_on"], out["prefix_cache_off"]
+    assert [t["prompt_tokens_p50"] for t in on] == [t["prompt_tokens_p50"] for t in off]
+    assert on[1]["cached_tokens_p50"] > 0 and off[1]["cached_tokens_p50"] == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--turns", "2", "--repeats", "3"], "--repeats belong to the load test"),
+    (["--compare-prefix-cache"], "need --turns"),
+    (["--turns", "2", "--compare-prefix-cache", "--serve-args", "--host 0.0.0.0"], "must not set --host"),
+    (["--turns", "2", "--serve-args", "--max-context 1024"], "needs --compare-prefix-cache"),
+])
+def test_bench_turns_refuses_flags_that_do_not_apply(args, needle, capsys):
+    from ds4ref.cli import bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err

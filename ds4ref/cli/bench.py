@@ -8,6 +8,10 @@ every request runs to max_tokens). Reported per level:
   TTFT       request sent -> first text chunk (p50, p99 over requests)
   ITL        gap between consecutive text chunks (p50, p99 over all gaps)
   errors     non-200 answers, error events, or a finish other than "length"
+
+With --turns N it replays multi-turn chats instead (ds4ref/cli/bench_turns.py): TTFT
+and the server's cached prompt tokens per turn; --compare-prefix-cache starts two
+servers itself, with the prefix cache and without, and prints both side by side.
 """
 from __future__ import annotations
 
@@ -20,13 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 from ..console import HelpFormatter
+from .bench_util import WORDS, StreamError, failure, ms, percentile, stream_chunks, text_table
 
 import httpx
-
-WORDS = ("river stone lantern orbit maple copper signal harbor meadow thunder velvet quartz falcon ember "
-         "glacier prism tundra compass saffron willow beacon canyon nectar cobalt lagoon summit ripple "
-         "garnet pylon harvest juniper vortex").split()
-
 
 def short_ragged_prompts(n: int, seed: int = 0) -> list[str]:
     """n disjoint prompts (each opens with its own number, so no two share a
@@ -46,15 +46,6 @@ def file_prompts(path: str) -> list[str]:
     if not out:
         raise SystemExit(f"{path}: no prompts")
     return out
-
-
-def percentile(values: list[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
-    return s[k]
 
 
 @dataclass
@@ -86,30 +77,20 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
     t0 = last = time.perf_counter()
     finish = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                sample.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return sample
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    sample.error = chunk["error"].get("message", "error event")
-                    return sample
-                if chunk.get("usage"):
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                    if choice.get("text"):
-                        now = time.perf_counter()
-                        if sample.ttft is None:
-                            sample.ttft = now - t0
-                        else:
-                            sample.gaps.append(now - last)
-                        last = now
-    except httpx.HTTPError as e:
-        sample.error = f"{type(e).__name__}: {e}"
+        async for chunk in stream_chunks(client, url, "/v1/completions", body):
+            if chunk.get("usage"):
+                sample.tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    now = time.perf_counter()
+                    if sample.ttft is None:
+                        sample.ttft = now - t0
+                    else:
+                        sample.gaps.append(now - last)
+                    last = now
+    except (StreamError, httpx.HTTPError) as e:
+        sample.error = failure(e)
         return sample
     if finish != "length":
         sample.error = f"finish_reason {finish!r}, expected 'length'"
@@ -168,19 +149,12 @@ async def bench(url: str, levels: list[int], max_tokens: int, prompts: list[str]
         return results
 
 
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
-
-
 def table(results: list[LevelResult]) -> str:
-    head = f"{'C':>3} {'reqs':>5} {'tokens':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} " \
-           f"{'ITL p50':>8} {'ITL p99':>8} {'errors':>6}"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        lines.append(f"{r.concurrency:>3} {r.requests:>5} {r.tokens:>7} {r.tok_per_s:>8.1f} {_ms(r.ttft_p50):>9} "
-                     f"{_ms(r.ttft_p99):>9} {_ms(r.itl_p50):>8} {_ms(r.itl_p99):>8} {r.errors:>6}")
-    lines.append("(TTFT and ITL in milliseconds)")
-    return "\n".join(lines)
+    columns = [("C", 3), ("reqs", 5), ("tokens", 7), ("tok/s", 8), ("TTFT p50", 9), ("TTFT p99", 9),
+               ("ITL p50", 8), ("ITL p99", 8), ("errors", 6)]
+    rows = [[str(r.concurrency), str(r.requests), str(r.tokens), f"{r.tok_per_s:.1f}", ms(r.ttft_p50),
+             ms(r.ttft_p99), ms(r.itl_p50), ms(r.itl_p99), str(r.errors)] for r in results]
+    return text_table(columns, rows, "(TTFT and ITL in milliseconds)")
 
 
 def base_url(url: str) -> str:
@@ -199,6 +173,16 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -211,9 +195,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    turns = p.add_argument_group("multi-turn chats (--turns)")
+    turns.add_argument("--turns", type=at_least_one, default=None,
+                       help="replay chats of this many turns instead of the load test")
+    turns.add_argument("--conversations", type=at_least_one, default=4, help="chats measured (p50 over them)")
+    turns.add_argument("--turn-tokens", type=at_least_one, default=200, help="about how long each new user message is")
+    turns.add_argument("--first-turn-tokens", type=at_least_one, default=None,
+                       help="about how long the first user message is (default: --turn-tokens)")
+    turns.add_argument("--compare-prefix-cache", action="store_true",
+                       help="start python -m ds4ref.serve on loopback ports, with the prefix cache and then "
+                            "without (--no-prefix-cache), and print both (--url is not used)")
+    turns.add_argument("--serve-args", default="",
+                       help="flags for the servers --compare-prefix-cache starts, e.g. '--model M.gguf'")
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.repeats < 1:
         p.error("--max-tokens and --repeats must be >= 1")
+    if args.turns is not None:
+        return _main_turns(p, args)
+    if args.compare_prefix_cache or args.serve_args:
+        p.error("--compare-prefix-cache and --serve-args need --turns")
     prompts = (short_ragged_prompts(max(args.concurrency) * (args.repeats + 1) * len(args.concurrency))
                if args.prompts == "short-ragged" else file_prompts(args.prompts))
     url = base_url(args.url)
@@ -225,6 +225,53 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(json.dumps([asdict(r) for r in results], indent=2) if args.json else table(results))
     return 1 if any(r.errors for r in results) else 0
+
+
+def _main_turns(p: argparse.ArgumentParser, args) -> int:
+    import shlex
+
+    from . import bench_turns as bt
+
+    load_test_only = [f"--{n.replace('_', '-')}" for n in ("concurrency", "prompts", "repeats", "warmup_tokens")
+                      if getattr(args, n) != p.get_default(n)]
+    if load_test_only:
+        p.error(f"{', '.join(load_test_only)} belong to the load test, not to --turns")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as e:
+        p.error(f"--serve-args: {e}")
+    why = bt.check_serve_args(serve_args)
+    if why:
+        p.error(why)
+    if serve_args and not args.compare_prefix_cache:
+        p.error("--serve-args needs --compare-prefix-cache (otherwise the server is yours to start)")
+    shape = (args.turns, args.conversations, args.first_turn_tokens or args.turn_tokens, args.turn_tokens,
+             args.max_tokens, args.timeout)
+
+    def measure(url: str) -> list:
+        return asyncio.run(bt.bench_turns(url, *shape))
+
+    try:
+        if args.compare_prefix_cache:
+            runs = {}
+            for cache in (True, False):
+                with bt.spawned_server(serve_args, cache) as url:
+                    print(f"prefix cache {'on' if cache else 'off'}: {url}", file=sys.stderr, flush=True)
+                    runs[cache] = measure(url)
+            results = {"prefix_cache_on": runs[True], "prefix_cache_off": runs[False]}
+            text = bt.compare_table(runs[True], runs[False])
+        else:
+            url = base_url(args.url)
+            results = {"turns": measure(url)}
+            text = bt.turns_table(results["turns"])
+    except httpx.HTTPError as e:
+        print(f"ds4ref.cli.bench: cannot reach the server: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a server that would not start
+        print(f"ds4ref.cli.bench: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: [asdict(r) for r in v] for k, v in results.items()}, indent=2) if args.json else text)
+    return 1 if any(r.errors for v in results.values() for r in v) else 0
 
 
 if __name__ == "__main__":

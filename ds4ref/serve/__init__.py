@@ -17,9 +17,10 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: Optional[int] = None,
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
-                max_batched_rows: Optional[int] = None):
+                max_batched_rows: Optional[int] = None, prefix_cache: bool = True):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
-    max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass)."""
+    max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
+    prefix_cache the SeqEngine's."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -34,7 +35,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     model = from_file(model_file, backend=backend, numerics=numerics)
     context = plan.context
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
-                       kv_pool_tokens=kv_pool_tokens, max_context=context)
+                       kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache)
     scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
                           max_batched_rows=max_batched_rows)
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
@@ -49,7 +50,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
                     f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
-                    f"{'unbounded' if max_queue is None else max_queue}")
+                    f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
+                    f"{'on' if engine.cache is not None else 'off' if not prefix_cache else NO_SNAPSHOTS}")
     state.plan = summary(plan)
     return state
 
@@ -113,19 +115,42 @@ def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
 
 def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
             kv_pool_tokens: Optional[int], max_context: Optional[int],
-            memory_budget: Optional[int], max_batched_rows: Optional[int] = None) -> tuple[str, Optional[str]]:
+            memory_budget: Optional[int], max_batched_rows: Optional[int] = None,
+            prefix_cache: bool = True) -> tuple[str, Optional[str]]:
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
                                   max_batched_rows)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
-            f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available))
+            f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)
+            + "\n" + prefix_cache_line(plan, prefix_cache, backend))
     try:
         check_plan(plan, backend, memory_budget)
     except PlanError as e:
         return text, str(e)
     return text, None
+
+
+# Only the numpy backend can snapshot a lane's unpaged state (save_state/load_state), without
+# which SeqEngine runs uncached; the dry run must say so without importing the hip backend.
+SNAPSHOT_BACKENDS = ("numpy",)
+NO_SNAPSHOTS = "off (this backend cannot snapshot a lane's state)"
+SNAPSHOTS_PER_LANE = 8  # SeqEngine's default max_snapshots is this many per lane
+
+
+def prefix_cache_line(plan, on: bool, backend: str) -> str:
+    """The dry run's word on the prefix cache: its pages are the pool's; its snapshots are not."""
+    from ..paging.plan import size
+    if not on:
+        return "prefix cache    off (--no-prefix-cache)"
+    if backend not in SNAPSHOT_BACKENDS:
+        return f"prefix cache    {NO_SNAPSHOTS}"
+    most = SNAPSHOTS_PER_LANE * plan.lanes
+    return (f"prefix cache    on: cached prefixes live in the paged history's {plan.n_pages} pages (the KV page "
+            f"pool, shared with running requests); a page no request holds stays cached until a request needs "
+            f"it. Beside them up to {most} snapshots of a lane's unpaged state, about {size(plan.per_slot)} "
+            f"each ({size(most * plan.per_slot)} at most, not in the total above)")
 
 
 def create_app(state):

@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                         "default: every lane can reach the full context)")
     p.add_argument("--max-context", type=positive, default=None,
                    help="per-request context limit, prompt plus output (default: the model's)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="turn off the exact prefix cache (on by default: a prompt that begins with whole KV "
+                        "pages of an earlier or running request reuses their state; logits are bitwise the same)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the memory plan (weights, paged KV history, per-slot state) and exit: 0 if it "
                         "fits, 2 if not; reads no tensor data, allocates nothing, binds no port")
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_context, args.max_queue, args.served_model_name,
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
                             api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
-                            max_batched_rows=args.max_batched_rows)
+                            max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
@@ -169,7 +172,7 @@ def _dry_run(args) -> int:
     from . import dry_run
     try:
         text, refusal = dry_run(args.model, args.backend, args.numerics, args.max_concurrency, args.kv_pool_tokens,
-                                args.max_context, args.memory_budget, args.max_batched_rows)
+                                args.max_context, args.memory_budget, args.max_batched_rows, args.prefix_cache)
     except Exception as e:  # a bad flag combination, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2

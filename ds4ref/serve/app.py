@@ -221,6 +221,7 @@ class Generation:
         self.tokens: list[TokenInfo] = []
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (known at the FinishEvent)
         self.arrived = time.monotonic()
         self._stream = None
         self._first: Optional[list] = None  # events read before a stream's response started
@@ -313,6 +314,7 @@ class Generation:
                         break
                 elif isinstance(ev, FinishEvent):
                     self._engine_done = True
+                    self.cached_tokens = ev.cached_tokens
                     if ev.reason == "error":
                         self.finish_reason = "error"
                         raise APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
@@ -327,9 +329,24 @@ class Generation:
                         self.finish_reason = "tool_calls"
                     break
             yield deltas, infos
+            if self.finish_reason == "stop" and not self._engine_done:
+                await self._until_engine_done(batch)
             # next_events returns at once while events are queued: without this a
             # request that never waits would keep the loop (and /health) from running
             await asyncio.sleep(0)
+
+    async def _until_engine_done(self, batch: list) -> None:
+        """After a stop string: read on to the engine's FinishEvent (the pass that frees the
+        slot), which alone says how many prompt tokens came from the prefix cache."""
+        try:
+            while True:
+                finish = next((ev for ev in batch if isinstance(ev, FinishEvent)), None)
+                if finish is not None:
+                    self._engine_done, self.cached_tokens = True, finish.cached_tokens
+                    return
+                batch = await self._stream.next_events()
+        except StreamAborted:  # the runner went away: the answer stands, cached tokens unknown
+            pass
 
     def _answer(self, deltas: list[Delta], final: bool = False) -> list[Delta]:
         """Answer deltas through the tool-call stream (reasoning passes untouched)."""
@@ -364,7 +381,8 @@ class Generation:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def _skipped_tokens(tokenizer: Any, skip_special: bool, parse_tools: bool) -> frozenset:

@@ -76,12 +76,18 @@ GAUGES = {
     "waiting": ("requests_waiting", "Requests queued for a slot."),
     "pages_used": ("kv_pages_used", "KV pool pages in use."),
     "pages_free": ("kv_pages_free", "KV pool pages free."),
+    "prefix_cached_pages": ("prefix_cache_pages", "KV pool pages the prefix cache holds (shared or evictable)."),
+    "prefix_snapshots": ("prefix_cache_snapshots", "Snapshots of a lane's unpaged state the prefix cache holds."),
 }
 
 
 # scheduler stats key -> (counter name, help): running totals the scheduler keeps itself
 STAT_COUNTERS = {
     "preemptions": ("preemptions_total", "Sequences preempted because the KV pool was full (recomputed later)."),
+    "prefix_hits": ("prefix_cache_hits_total", "Admissions that reused cached prefix pages."),
+    "prefix_misses": ("prefix_cache_misses_total", "Admissions that found no cached prefix."),
+    "prefix_cached_tokens": ("prefix_cache_cached_tokens_total", "Prompt tokens served from the prefix cache."),
+    "prefix_evictions": ("prefix_cache_evictions_total", "Cached prefix pages evicted to make room."),
 }
 
 

@@ -181,11 +181,14 @@ class Runner:
 
     def cancel(self, req_id: int, count_as: str = "cancelled") -> None:
         """Cancel a request (client gone, stop string seen). Safe from any thread, never blocks.
-        count_as: the finish reason the metrics record ("stop" for a stop string)."""
+        count_as: the finish reason the metrics record ("stop" for a stop string). A request
+        ended by its own client's stop string keeps its stream until its FinishEvent, which
+        carries its usage (cached tokens); an abandoned one's events are dropped at once."""
         with self._inbox_lock:
             if count_as != "cancelled":
                 self._finish_as[req_id] = count_as
-            self._streams.pop(req_id, None)
+            else:
+                self._streams.pop(req_id, None)
             self._inbox.append(req_id)
         self._wake.set()
 
