@@ -30,7 +30,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     from .runner import Runner
 
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows)
+                                  max_batched_rows, prefix_cache)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
     model = from_file(model_file, backend=backend, numerics=numerics)
     context = plan.context
@@ -51,13 +51,14 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
-                    f"{'on' if engine.cache is not None else 'off' if not prefix_cache else NO_SNAPSHOTS}")
+                    f"{'on' if engine.cache is not None else 'off'}")
     state.plan = summary(plan)
     return state
 
 
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
-               kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None):
+               kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
+               prefix_cache: bool = True):
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
@@ -82,7 +83,7 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
                          f"got {max_context}")
     # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
     plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
-                     kv_pool_tokens, kv_storage(backend, numerics))
+                     kv_pool_tokens, kv_storage(backend, numerics), prefix_cache=prefix_cache)
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
         from ..hip.workspace import with_pass_workspace
         plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
@@ -120,11 +121,11 @@ def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurre
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows)
+                                  max_batched_rows, prefix_cache)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)
-            + "\n" + prefix_cache_line(plan, prefix_cache, backend))
+            + "\n" + prefix_cache_line(plan, prefix_cache))
     try:
         check_plan(plan, backend, memory_budget)
     except PlanError as e:
@@ -132,25 +133,13 @@ def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurre
     return text, None
 
 
-# Only the numpy backend can snapshot a lane's unpaged state (save_state/load_state), without
-# which SeqEngine runs uncached; the dry run must say so without importing the hip backend.
-SNAPSHOT_BACKENDS = ("numpy",)
-NO_SNAPSHOTS = "off (this backend cannot snapshot a lane's state)"
-SNAPSHOTS_PER_LANE = 8  # SeqEngine's default max_snapshots is this many per lane
-
-
-def prefix_cache_line(plan, on: bool, backend: str) -> str:
-    """The dry run's word on the prefix cache: its pages are the pool's; its snapshots are not."""
-    from ..paging.plan import size
+def prefix_cache_line(plan, on: bool) -> str:
+    """The dry run's word on the prefix cache: its pages are the pool's, its snapshots a table row."""
     if not on:
         return "prefix cache    off (--no-prefix-cache)"
-    if backend not in SNAPSHOT_BACKENDS:
-        return f"prefix cache    {NO_SNAPSHOTS}"
-    most = SNAPSHOTS_PER_LANE * plan.lanes
     return (f"prefix cache    on: cached prefixes live in the paged history's {plan.n_pages} pages (the KV page "
             f"pool, shared with running requests); a page no request holds stays cached until a request needs "
-            f"it. Beside them up to {most} snapshots of a lane's unpaged state, about {size(plan.per_slot)} "
-            f"each ({size(most * plan.per_slot)} at most, not in the total above)")
+            f"it; its snapshots of a lane's unpaged state are the 'prefix cache' row")
 
 
 def create_app(state):
