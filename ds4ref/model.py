@@ -90,9 +90,9 @@ def from_file(model_file, backend: str = "numpy", numerics: str = "official", dt
     """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
     from .gguf.mtp import MTPError, in_file_mtp, separate_mtp
     notes = list(model_file.notes)
-    mtp_weights = in_file_mtp(model_file, dtype)
+    mtp_weights = in_file_mtp(model_file, dtype, notes)
     if mtp is not None:
-        if mtp_weights is not None:
+        if model_file.mtp_block is not None:
             raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "
                            f"give no separate MTP file ({os.fspath(mtp)})")
         mtp_weights = separate_mtp(mtp, model_file.config, dtype)

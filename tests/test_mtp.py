@@ -188,3 +188,21 @@ def test_errors(tmp_path, tiny):
         ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "absent.gguf")
     with pytest.raises(MTPError, match="only 0"):
         mtp_config(cfg, ratio=4)
+
+
+def test_incomplete_in_file_block_leaves_the_model_without_mtp(tmp_path, tiny):
+    """Auto-detected, an in-file block that does not fit is noted, not fatal (the main model runs,
+    as llama.cpp loads such files); asked for strictly, the error names the tensor."""
+    from ds4ref.gguf.file import open_gguf
+    from ds4ref.gguf.mtp import in_file_mtp_strict
+    from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
+    cfg = tiny.config
+    t, d, meta = random_mtp(cfg, 0)
+    del t[f"blk.{cfg.n_layer}.nextn.hnorm.weight"]
+    write_gguf(tmp_path / "part.gguf", cfg, {**random_tensors(cfg, 0), **t}, tiny_tokenizer_meta(cfg.vocab_size),
+               {**tiny_dtypes(cfg), **d}, extra_meta=meta)
+    m = ds4ref.load(tmp_path / "part.gguf")
+    assert m.mtp is None and "MTP block not usable" in m.describe() and "nextn.hnorm.weight" in m.describe()
+    assert m.score(IDS).tobytes() == tiny.score(IDS).tobytes()
+    with pytest.raises(MTPError, match=r"no tensor 'blk\.6\.nextn\.hnorm\.weight'"):
+        in_file_mtp_strict(open_gguf(tmp_path / "part.gguf"))

@@ -26,10 +26,9 @@ from gguf import GGUFValueType as VType
 
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
 from .metadata import MetadataError, check_tokenizer, check_types
-from .tensors import is_int_tensor, tensor_shapes
+from .tensors import has_in_file_mtp_block, is_int_tensor, tensor_shapes
 from .quant_codes import QUANT_TYPES
 from .weights import Weights, WeightsError, check_tensor_shapes
-from .mtp import has_in_file_block
 
 
 class GGUFError(WeightsError):
@@ -348,7 +347,7 @@ class GGUFModelFile(GGUFTensorFile):
             raise GGUFError(f"{self.path}: {exc}") from None
         self.config = _config_from(effective, self.path)
         nextn = self.metadata.get(NEXTN_KEY, 0)
-        self.mtp_block = self.config.n_layer if nextn and has_in_file_block(shapes, self.config.n_layer) else None
+        self.mtp_block = self.config.n_layer if nextn and has_in_file_mtp_block(shapes, self.config.n_layer) else None
 
     def __repr__(self) -> str:
         return f"GGUFModelFile({self.path!r}, {len(self.tensors)} tensors, {self.config.n_layer} layers)"
@@ -434,7 +433,7 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
                         f"(an MTP-only file is not a model ds4ref can run)")
     main = blocks - nextn
     probe = f"blk.{main}.nextn.e_proj.weight (or nextn.eh_proj)"
-    if has_in_file_block(shapes, main):
+    if has_in_file_mtp_block(shapes, main):
         meta[bkey] = main
         which = f"block {main}" if nextn == 1 else f"blocks {main}..{blocks - 1}"
         notes.append(f"MTP {which} skipped ({NEXTN_KEY}={nextn}, {bkey}={blocks}): {main} layers run")

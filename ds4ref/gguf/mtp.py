@@ -26,7 +26,8 @@ import numpy as np
 
 from .config import ARCH, NEXTN_KEY, DS4Config
 from .quant_codes import QUANT_TYPES
-from .tensors import layer_tensor_shapes
+from .file import _INT_TYPES, MTPFile, _can_dequantise
+from .tensors import NEXTN_PROJ, layer_tensor_shapes
 from .weights import Weights, WeightsError
 
 PREFIX = "mtp.0."
@@ -37,7 +38,7 @@ NEXTN = {"e_proj.weight": "nextn.e_proj.weight", "h_proj.weight": "nextn.h_proj.
          "enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
          "norm.weight": "nextn.shared_head_norm.weight", "hc_head_fn.weight": "nextn.hc_head_fn.weight",
          "hc_head_base.weight": "nextn.hc_head_base.weight", "hc_head_scale.weight": "nextn.hc_head_scale.weight"}
-FUSED = "nextn.eh_proj.weight"
+FUSED = NEXTN_PROJ[1]
 
 
 class MTPError(WeightsError):
@@ -70,11 +71,6 @@ def in_file_name(name: str, block: int) -> str:
     """llama.cpp's in-file name of an `mtp.0.*` tensor when the MTP is block `block`."""
     suffix = name[len(PREFIX):]
     return f"blk.{block}.{NEXTN.get(suffix, suffix)}"
-
-
-def has_in_file_block(shapes: Mapping[str, tuple], block: int) -> bool:
-    """Whether block `block` is an MTP block (llama.cpp's probe: its nextn projection)."""
-    return any(f"blk.{block}.{n}" in shapes for n in (NEXTN["e_proj.weight"], FUSED))
 
 
 class MTPWeights(Weights):
@@ -141,7 +137,6 @@ def _check_shapes(mcfg: DS4Config, found: Mapping[str, tuple], names: Mapping[st
 
 
 def _check_types(model_file, names: Mapping[str, str], where: str) -> None:
-    from .file import _INT_TYPES, _can_dequantise
     for theirs in names.values():
         t = model_file.tensors.get(theirs)
         if t is None:
@@ -151,8 +146,20 @@ def _check_types(model_file, names: Mapping[str, str], where: str) -> None:
                            f"float type ds4ref can dequantise")
 
 
-def in_file_mtp(model_file, dtype=np.float32) -> MTPWeights | None:
-    """The MTP block of a model file in llama.cpp's layout, or None when it has none."""
+def in_file_mtp(model_file, dtype=np.float32, notes: list | None = None) -> MTPWeights | None:
+    """The MTP block of a model file in llama.cpp's layout, or None when it has none. A block
+    that does not fit is not an error here (the main model runs without it, as llama.cpp loads
+    such files): `notes` gets why; in_file_mtp_strict raises instead."""
+    try:
+        return in_file_mtp_strict(model_file, dtype)
+    except MTPError as exc:
+        if notes is not None:
+            notes.append(f"MTP block not usable: {exc}")
+        return None
+
+
+def in_file_mtp_strict(model_file, dtype=np.float32) -> MTPWeights | None:
+    """The in-file MTP block, raising MTPError (naming the tensor) for one that does not fit."""
     block = getattr(model_file, "mtp_block", None)
     if block is None:
         return None
@@ -175,7 +182,6 @@ def in_file_mtp(model_file, dtype=np.float32) -> MTPWeights | None:
 
 def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> MTPWeights:
     """antirez's separate MTP GGUF (`mtp.0.*` tensors) for a model of config `cfg`."""
-    from .file import MTPFile
     mf = MTPFile(path)
     where = mf.path
     meta = mf.metadata

@@ -252,11 +252,11 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
 # files
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
-               dtypes: dict[str, str] | None = None, policy: str | None = None, mtp: bool = False) -> DS4Config:
+               dtypes: dict[str, str] | None = None, policy: str | None = None, mtp: bool | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
-    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` adds a
-    random MTP block as the last block (llama.cpp's layout, gguf.mtp), which the main
-    forward never reads (policy files carry none)."""
+    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (default:
+    without a policy) adds a random MTP block as the last block (llama.cpp's layout, gguf.mtp),
+    which the main forward never reads; the policy files carry none."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
@@ -268,7 +268,7 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
     else:
         config = config or tiny_config()
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
-        if mtp:
+        if mtp is None or mtp:
             mtp_tensors, mtp_dtypes, meta = random_mtp(config, seed)
             tensors.update(mtp_tensors)
             dtypes = {**dtypes, **mtp_dtypes} if dtypes else dtypes
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides["n_layer"] = args.layers
     cfg = (policy_config if args.policy else tiny_config)(**overrides)
     write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy,
-               mtp=not (args.policy or args.no_mtp))
+               mtp=not args.no_mtp)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
 
