@@ -17,7 +17,7 @@ class DS4Model:
     """What `ds4ref.load` returns: config, metadata, the reference math, backends."""
 
     def __init__(self, metadata: dict, weights, numerics: str = "official", backend: str = "numpy",
-                 path: str | None = None, notes: Sequence[str] = ()) -> None:
+                 path: str | None = None, notes: Sequence[str] = (), mtp_weights=None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.metadata, self.path, self.backend_name = metadata, path, backend
@@ -25,6 +25,10 @@ class DS4Model:
         self.reference = Model(weights, numerics)
         self.config: DS4Config = self.reference.config
         self.numerics = numerics
+        self.mtp = None  # the MTP block's reference (reference/mtp.py) when the model has one
+        if mtp_weights is not None:
+            from .reference.mtp import MTP
+            self.mtp = MTP(self.reference, mtp_weights)
         self._device = None
         if backend == "hip":
             self._device = self.make_backend()  # fail at load, naming what is missing, not mid-request
@@ -72,15 +76,26 @@ class DS4Model:
 
 
 def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics: str = "official",
-         dtype=np.float32) -> DS4Model:
-    """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model."""
+         dtype=np.float32, mtp: str | os.PathLike | None = None) -> DS4Model:
+    """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model. Its MTP block
+    comes from the file (llama.cpp's layout) or from `mtp`, antirez's separate MTP GGUF."""
     from .gguf.file import open_gguf
     from .gguf.tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
-    return from_file(open_gguf(path), backend, numerics, dtype)
+    return from_file(open_gguf(path), backend, numerics, dtype, mtp)
 
 
-def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32) -> DS4Model:
+def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32,
+              mtp: str | os.PathLike | None = None) -> DS4Model:
     """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
+    from .gguf.mtp import MTPError, in_file_mtp, separate_mtp
+    notes = list(model_file.notes)
+    mtp_weights = in_file_mtp(model_file, dtype, notes)
+    if mtp is not None:
+        if model_file.mtp_block is not None:
+            raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "
+                           f"give no separate MTP file ({os.fspath(mtp)})")
+        mtp_weights = separate_mtp(mtp, model_file.config, dtype)
+        notes.append(f"MTP block from {os.fspath(mtp)}")
     return DS4Model(model_file.metadata, model_file.weights(dtype), numerics=numerics, backend=backend,
-                    path=model_file.path, notes=model_file.notes)
+                    path=model_file.path, notes=notes, mtp_weights=mtp_weights)

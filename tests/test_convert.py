@@ -192,11 +192,52 @@ def test_bad_checkpoint_refused_naming_the_tensor(tmp_path, official_ck, case):
         convert(official_ck, tmp_path / "m.gguf")
 
 
-def test_mtp_tensors_ignored(tmp_path, model, official_ck):
-    cfg, tensors = model
+def test_incomplete_mtp_block_refused(tmp_path, model, official_ck):
     _rewrite(official_ck, lambda sd: sd.__setitem__("mtp.0.e_proj.weight", torch.zeros(4, 4)))
+    with pytest.raises(ConvertError, match=r"mtp\.0\.\* .*missing tensors .*'blk\.4\.attn_kv\.weight'"):
+        convert(official_ck, tmp_path / "m.gguf")
+
+
+def _official_mtp(cfg):
+    """The official checkpoint's mtp.0.* tensors of a random MTP block, and the block by our names."""
+    from ds4ref.convert.hf import EXPERT_OFFICIAL, LAYER_NAMES
+    from ds4ref.gguf.mtp import OWN, PREFIX, in_file_name
+    from ds4ref.gguf.tiny import random_mtp
+    t, _, _ = random_mtp(cfg, 3)
+    ours = {n: t[in_file_name(n, cfg.n_layer)] for n in _mtp_names(cfg)}
+    sd = {}
+    for name, v in ours.items():
+        suffix = name[len(PREFIX):]
+        if suffix in EXPERT_OFFICIAL:
+            for e in range(cfg.n_expert):
+                sd[f"mtp.0.ffn.experts.{e}.{EXPERT_OFFICIAL[suffix]}.weight"] = torch.from_numpy(v[e].copy())
+        elif suffix in OWN:
+            key = suffix if suffix.endswith(("proj.weight", "norm.weight")) else suffix.removesuffix(".weight")
+            sd["mtp.0." + key] = torch.from_numpy(v.copy())
+        else:
+            sd["mtp.0." + LAYER_NAMES[suffix][0]] = torch.from_numpy(v.copy())
+    return sd, ours
+
+
+def _mtp_names(cfg):
+    from ds4ref.gguf.mtp import mtp_config, mtp_tensor_shapes
+    return list(mtp_tensor_shapes(mtp_config(cfg)))
+
+
+def test_mtp_block_kept(tmp_path, model, official_ck):
+    """mtp.0.* becomes the last block, llama.cpp's layout (nextn_predict_layers = 1); the main
+    tensors and config are unchanged and the reader finds the block."""
+    import ds4ref
+    cfg, tensors = model
+    sd_mtp, ours = _official_mtp(cfg)
+    _rewrite(official_ck, lambda sd: sd.update(sd_mtp))
     convert(official_ck, tmp_path / "m.gguf")
     _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+    f = open_gguf(tmp_path / "m.gguf")
+    assert f.metadata["deepseek4.nextn_predict_layers"] == 1 and f.mtp_block == cfg.n_layer
+    m = ds4ref.load(tmp_path / "m.gguf")
+    for name, v in ours.items():
+        assert np.array_equal(m.mtp.weights.get(name), v), name
 
 
 def test_bad_config_named(tmp_path, official_ck):

@@ -133,12 +133,13 @@ def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
     out, err = capsys.readouterr()
     assert "total" in out  # the table still shows what it would take
     (line,) = err.strip().splitlines()
-    # 14.3 MiB of weights and state, and 16 lanes x 8 prefix-cache snapshots of 250.4 KiB
-    assert line.startswith("ds4ref.serve: error: the memory plan needs 45.6 MiB but --memory-budget is 4.0 MiB:")
+    # 14.7 MiB of weights (the MTP block's included) and state, and 16 lanes x 8 prefix-cache
+    # snapshots of 250.4 KiB
+    assert line.startswith("ds4ref.serve: error: the memory plan needs 46.0 MiB but --memory-budget is 4.0 MiB:")
     assert "paged history" in line and "per-lane state" in line and "--max-concurrency" in line
     assert "31.3 MiB of prefix-cache snapshots (--no-prefix-cache drops them)" in line
     assert main(["--dry-run", "--memory-budget", "1M"]) == 2
-    assert "the weights alone need 3.0 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
+    assert "the weights alone need 3.4 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
 
 
 def test_start_refuses_before_allocating(monkeypatch, tiny_model_path):

@@ -27,6 +27,7 @@ from ..console import HelpFormatter
 import numpy as np
 
 from ..gguf.config import ConfigError, DS4Config
+from ..gguf.mtp import OWN as MTP_OWN, PREFIX as MTP_PREFIX, in_file_name, mtp_config, mtp_tensor_shapes, nextn_metadata
 from .fp8 import QuantError, decode_scales, dequantise_fp8, fp4_to_mxfp4, fp4_values
 from .hf import (EXPERT_OFFICIAL, EXPERT_TENSORS, GLOBAL_ALIASES, GLOBAL_NAMES, HF_DOWN, HF_GATE_UP,
                  LAYER_ALIASES, LAYER_NAMES, HFError, config_from_hf, strip_model_prefix)
@@ -271,11 +272,14 @@ def pair_scales(sources: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     return out
 
 
-def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
-    """Assign every source tensor to its GGUF tensor; raise on quantised/unexpected/missing."""
+def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor], mtp_own: dict[str, str] | None = None) -> _Plan:
+    """Assign every source tensor to its GGUF tensor; raise on quantised/unexpected/missing.
+    mtp_own: the MTP's own tensors (source key -> GGUF name) when cfg counts the MTP block as its
+    last layer (with_mtp); otherwise `mtp.*` tensors are ignored."""
     sources = pair_scales(sources)
     _refuse_quantised(sources)
     glob, layer = _lookup_tables()
+    glob.update(mtp_own or {})
     plan = _Plan()
     unexpected: list[str] = []
 
@@ -286,9 +290,11 @@ def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
 
     for name, t in sources.items():
         key = strip_model_prefix(name)
-        if key.startswith("mtp."):  # the MTP block is not part of the main forward pass
+        if key.startswith("mtp.") and mtp_own is None:
             plan.ignored.append(name)
             continue
+        if key.startswith(MTP_SRC) and key not in glob:  # the MTP block's layer tensors: the last block
+            key = f"layers.{cfg.n_layer - 1}.{key[len(MTP_SRC):]}"
         if key in glob:
             assign(glob[key], t)
             continue
@@ -317,7 +323,7 @@ def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor]) -> _Plan:
         if quant:
             raise ConvertError(f"tensor {quant[0]!r} is a quantisation scale without an FP8/FP4 weight to go with")
         raise ConvertError(f"unexpected tensors for this config: {_show(unexpected)}")
-    _check_complete(cfg, plan)
+    _check_complete(cfg, plan, {g: None for g in (mtp_own or {}).values()})
     return plan
 
 
@@ -336,8 +342,8 @@ def _show(names: list[str], n: int = 8) -> str:
     return ", ".join(repr(x) for x in names[:n]) + more
 
 
-def _check_complete(cfg: DS4Config, plan: _Plan) -> None:
-    missing = []
+def _check_complete(cfg: DS4Config, plan: _Plan, extra: dict | None = None) -> None:
+    missing = [n for n in (extra or {}) if n not in plan.single]
     for name in tensor_shapes(cfg):
         il = int(name.split(".")[1]) if name.startswith("blk.") else -1
         suffix = name.split(".", 2)[-1]
@@ -367,9 +373,9 @@ def _expect(t: SourceTensor, shape: tuple[int, ...], what: str) -> None:
         raise ConvertError(f"tensor {t.name!r} has shape {t.value_shape}, expected {tuple(shape)} for {what}")
 
 
-def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener) -> dict[str, Lazy]:
+def gguf_tensors(cfg: DS4Config, plan: _Plan, opener: _Opener, extra_shapes: dict | None = None) -> dict[str, Lazy]:
     """GGUF name -> Lazy tensor in ds4ref.gguf.tensors' NumPy shape (checked against the headers now)."""
-    shapes = tensor_shapes(cfg)
+    shapes = {**tensor_shapes(cfg), **(extra_shapes or {})}
     out: dict[str, Lazy] = {}
     for name, t in plan.single.items():
         _expect(t, shapes[name], name)
@@ -491,16 +497,49 @@ def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
 
     hf_dir = Path(hf_dir)
     cfg = load_config(hf_dir)
+    sources = scan_dir(hf_dir)
+    extra = {"general.file_type": _FILE_TYPE[dtype], "deepseek4.rope.scaling.type": "yarn",
+             "deepseek4.nextn_predict_layers": 0}
     dtypes = stored_dtypes(cfg, dtype)
-    plan = plan_tensors(cfg, scan_dir(hf_dir))
-    tensors = _with_progress(gguf_tensors(cfg, plan, _Opener()))
-    extra = {
-        "general.file_type": _FILE_TYPE[dtype],
-        "deepseek4.rope.scaling.type": "yarn",
-        "deepseek4.nextn_predict_layers": 0,  # MTP tensors are not converted
-    }
-    write_gguf(out, cfg, tensors, tokenizer_meta=tokenizer_meta(hf_dir, cfg), dtypes=dtypes, extra_meta=extra)
+    if any(strip_model_prefix(n).startswith(MTP_SRC) for n in sources):
+        ext, own = with_mtp(cfg)
+        try:
+            tensors = gguf_tensors(ext, plan_tensors(ext, sources, own), _Opener(), own_shapes(cfg))
+        except ConvertError as exc:
+            raise ConvertError(f"the checkpoint has mtp.0.* tensors (the MTP block, written as block "
+                               f"{cfg.n_layer}): {exc}") from None
+        dtypes = {**stored_dtypes(ext, dtype), **{n: (dtype if len(s) >= 2 else "f32")
+                                                  for n, s in own_shapes(cfg).items()}}
+        extra.update(nextn_metadata(cfg, mtp_config(cfg)))
+    else:
+        tensors = gguf_tensors(cfg, plan_tensors(cfg, sources), _Opener())
+    write_gguf(out, cfg, _with_progress(tensors), tokenizer_meta=tokenizer_meta(hf_dir, cfg), dtypes=dtypes,
+               extra_meta=extra)
     return cfg
+
+
+MTP_SRC = "mtp.0."  # the official checkpoint's MTP block (num_nextn_predict_layers = 1)
+
+
+def with_mtp(cfg: DS4Config) -> tuple[DS4Config, dict[str, str]]:
+    """(cfg with the MTP block as one more layer, source key -> GGUF name of the MTP's own tensors):
+    the converter writes the block the way llama.cpp's deepseek4 converter does, as block
+    n_layer with `nextn.*` tensors (gguf.mtp, docs/mtp.md)."""
+    mcfg = mtp_config(cfg)
+    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + 1, compress_ratios=cfg.compress_ratios + mcfg.compress_ratios,
+                              swiglu_clamp=cfg.swiglu_clamp + mcfg.swiglu_clamp)
+    own = {}
+    for suffix in MTP_OWN:
+        src = MTP_SRC + (suffix if suffix.endswith("proj.weight") or suffix.endswith("norm.weight")
+                         else suffix.removesuffix(".weight"))
+        own[src] = in_file_name(MTP_PREFIX + suffix, cfg.n_layer)
+    return ext, own
+
+
+def own_shapes(cfg: DS4Config) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> NumPy shape of the MTP's own tensors in the converted file."""
+    return {in_file_name(n, cfg.n_layer): s for n, s in mtp_tensor_shapes(mtp_config(cfg)).items()
+            if n[len(MTP_PREFIX):] in MTP_OWN}
 
 
 def _with_progress(tensors: dict) -> dict:

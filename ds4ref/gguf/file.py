@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VType
 
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
 from .metadata import MetadataError, check_tokenizer, check_types
-from .tensors import is_int_tensor, tensor_shapes
+from .tensors import has_in_file_mtp_block, is_int_tensor, tensor_shapes
 from .quant_codes import QUANT_TYPES
 from .weights import Weights, WeightsError, check_tensor_shapes
 
@@ -259,8 +259,8 @@ class TensorEntry:
     n_bytes: int
 
 
-class GGUFModelFile:
-    """An opened deepseek4 GGUF: metadata, config and the tensor directory."""
+class GGUFTensorFile:
+    """An opened GGUF: metadata and the tensor directory, no model config (MTPFile)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
@@ -278,23 +278,20 @@ class GGUFModelFile:
         except (MetadataError, GGUFError) as exc:
             raise GGUFError(f"{self.path}: {exc}") from None
         self.metadata: dict[str, Any] = {k: _python_value(v, *self.value_types[k]) for k, v in meta.items()}
-        try:
-            effective, self.notes = effective_metadata(self.metadata, {t.name: t.shape for t in infos})
-        except GGUFError as exc:
-            raise GGUFError(f"{self.path}: {exc}") from None
-        self.config = _config_from(effective, self.path)
+        self._infos, self._data_start = infos, data_start
         self.tensors: dict[str, TensorEntry] = {}
+        self._setup()
         for info in infos:
             if info.name in self.tensors:
                 raise GGUFError(f"{self.path}: tensor {info.name!r} appears twice")
             self.tensors[info.name] = self._entry(info, data_start)
         self._check_tensors()
 
-    def __repr__(self) -> str:
-        return f"GGUFModelFile({self.path!r}, {len(self.tensors)} tensors, {self.config.n_layer} layers)"
+    def _setup(self) -> None:
+        """What a subclass derives from the metadata before the tensors are listed."""
 
-    def weights(self, dtype=np.float32, max_cached_experts: int | None = None) -> "GGUFWeights":
-        return GGUFWeights(self, dtype, max_cached_experts)
+    def _check_tensors(self) -> None:
+        """A subclass's checks of the tensor directory."""
 
     def tensor(self, name: str) -> TensorEntry:
         try:
@@ -329,6 +326,34 @@ class GGUFModelFile:
                             f"{offset + n_bytes}, the file has {len(self._buf)}")
         data = _view(self._buf, qtype, info.shape, offset, n)
         return TensorEntry(info.name, qtype, info.shape, data, offset, n_bytes)
+
+
+class MTPFile(GGUFTensorFile):
+    """antirez's separate MTP GGUF: `mtp.0.*` tensors, checked against a model by gguf.mtp."""
+
+    def __repr__(self) -> str:
+        return f"MTPFile({self.path!r}, {len(self.tensors)} tensors)"
+
+
+class GGUFModelFile(GGUFTensorFile):
+    """An opened deepseek4 GGUF: metadata, config and the tensor directory. `mtp_block`: the
+    index of the MTP block it carries in llama.cpp's layout (gguf.mtp), else None."""
+
+    def _setup(self) -> None:
+        shapes = {t.name: t.shape for t in self._infos}
+        try:
+            effective, self.notes = effective_metadata(self.metadata, shapes)
+        except GGUFError as exc:
+            raise GGUFError(f"{self.path}: {exc}") from None
+        self.config = _config_from(effective, self.path)
+        nextn = self.metadata.get(NEXTN_KEY, 0)
+        self.mtp_block = self.config.n_layer if nextn and has_in_file_mtp_block(shapes, self.config.n_layer) else None
+
+    def __repr__(self) -> str:
+        return f"GGUFModelFile({self.path!r}, {len(self.tensors)} tensors, {self.config.n_layer} layers)"
+
+    def weights(self, dtype=np.float32, max_cached_experts: int | None = None) -> "GGUFWeights":
+        return GGUFWeights(self, dtype, max_cached_experts)
 
     # ---- checks --------------------------------------------------------
     def _check_tensors(self) -> None:
@@ -377,9 +402,10 @@ def effective_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
     * `vocab_size`: the length of `tokenizer.ggml.tokens` (llama.cpp's n_vocab), else
       the rows of `token_embd.weight`;
     * MTP blocks counted in `block_count`: with `nextn_predict_layers` = k, the last k
-      blocks are MTP, but only when `blk.{block_count-k}.nextn.eh_proj.weight` exists
+      blocks are MTP, but only when block `block_count-k` has its nextn projection
+      (`nextn.e_proj`, or a fused `nextn.eh_proj`)
       (llama.cpp's loader rule: antirez's files say k = 1 and ship the MTP block in a
-      separate file, so all their blocks are layers). MTP blocks are never run.
+      separate file, so all their blocks are layers). MTP blocks are never run as layers (gguf.mtp reads them).
     """
     out, notes = dict(meta), []
     vkey = f"{ARCH}.vocab_size"
@@ -406,8 +432,8 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
         raise GGUFError(f"{NEXTN_KEY} is {nextn} with {bkey} {blocks}: no main layers would remain "
                         f"(an MTP-only file is not a model ds4ref can run)")
     main = blocks - nextn
-    probe = f"blk.{main}.nextn.eh_proj.weight"
-    if probe in shapes:
+    probe = f"blk.{main}.nextn.e_proj.weight (or nextn.eh_proj)"
+    if has_in_file_mtp_block(shapes, main):
         meta[bkey] = main
         which = f"block {main}" if nextn == 1 else f"blocks {main}..{blocks - 1}"
         notes.append(f"MTP {which} skipped ({NEXTN_KEY}={nextn}, {bkey}={blocks}): {main} layers run")

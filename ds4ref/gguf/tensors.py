@@ -83,3 +83,13 @@ def tensor_shapes(cfg: DS4Config) -> dict[str, tuple[int, ...]]:
 
 def is_int_tensor(name: str) -> bool:
     return name.endswith(INT_TENSORS)
+
+
+# The MTP block in llama.cpp's in-file layout (gguf.mtp, docs/mtp.md): block N holds its nextn
+# projection as separate e_proj / h_proj or as one fused [e_proj | h_proj].
+NEXTN_PROJ = ("nextn.e_proj.weight", "nextn.eh_proj.weight")
+
+
+def has_in_file_mtp_block(shapes, block: int) -> bool:
+    """Whether block `block` is an MTP block (llama.cpp's probe: its nextn projection)."""
+    return any(f"blk.{block}.{n}" in shapes for n in NEXTN_PROJ)

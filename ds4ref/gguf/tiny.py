@@ -252,9 +252,11 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
 # files
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
-               dtypes: dict[str, str] | None = None, policy: str | None = None) -> DS4Config:
+               dtypes: dict[str, str] | None = None, policy: str | None = None, mtp: bool | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
-    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS."""
+    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (default:
+    without a policy) adds a random MTP block as the last block (llama.cpp's layout, gguf.mtp),
+    which the main forward never reads; the policy files carry none."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
@@ -266,9 +268,34 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
     else:
         config = config or tiny_config()
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
+        if mtp is None or mtp:
+            mtp_tensors, mtp_dtypes, meta = random_mtp(config, seed)
+            tensors.update(mtp_tensors)
+            dtypes = {**dtypes, **mtp_dtypes} if dtypes else dtypes
+            extra.update(meta)
     write_gguf(path, config, tensors, tokenizer_meta=tiny_tokenizer_meta(config.vocab_size),
                dtypes=dtypes, extra_meta=extra)
     return config
+
+
+MTP_SEED_OFFSET = 1 << 20  # the MTP's generators come after every main tensor's (seed, index)
+
+
+def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str], dict]:
+    """(tensors in llama.cpp's in-file names, their stored types, the metadata that counts the
+    block) of a random MTP block for `config`, drawn like the main tensors but from generators
+    of their own, so the main tensors are the same with or without it."""
+    from .mtp import PREFIX, mtp_config, mtp_tensor_shapes, nextn_metadata, to_in_file
+    mcfg = mtp_config(config)
+    tensors, dtypes = {}, {}
+    for i, (name, shape) in enumerate(mtp_tensor_shapes(mcfg).items()):
+        rng = np.random.default_rng([seed, MTP_SEED_OFFSET + i])
+        suffix = name[len(PREFIX):]
+        tensors[name] = _random_tensor(rng, mcfg, suffix, tuple(shape))
+        if suffix in _DTYPE_BY_SUFFIX or suffix in ("e_proj.weight", "h_proj.weight", "hc_head_fn.weight"):
+            dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix, "f16" if suffix == "hc_head_fn.weight" else "q8_0")
+    block = config.n_layer
+    return to_in_file(tensors, block), to_in_file(dtypes, block), nextn_metadata(config, mcfg)
 
 
 def default_model_path() -> Path:
@@ -285,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="number of layers (Flash ratio pattern)")
     ap.add_argument("--ratios", default=None, help="comma-separated compress ratios, e.g. 0,0,4,128")
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
+    ap.add_argument("--no-mtp", action="store_true", help="leave out the random MTP block (last block)")
     ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
                     help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
     args = ap.parse_args(argv)
@@ -297,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers is not None:
         overrides["n_layer"] = args.layers
     cfg = (policy_config if args.policy else tiny_config)(**overrides)
-    write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy)
+    write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy,
+               mtp=not args.no_mtp)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
 

@@ -78,9 +78,14 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
 
 
 def weight_bytes(model_file) -> int:
-    """Stored bytes of the tensors the forward pass reads, from the GGUF directory (no data read)."""
+    """Stored bytes of the tensors the forward pass reads, from the GGUF directory (no data read),
+    with the MTP block's when the file carries one (llama.cpp's layout, gguf.mtp)."""
     from ..gguf.tensors import tensor_shapes
-    return sum(model_file.tensors[name].n_bytes for name in tensor_shapes(model_file.config))
+    names = set(tensor_shapes(model_file.config))
+    block = getattr(model_file, "mtp_block", None)
+    if block is not None:
+        names |= {n for n in model_file.tensors if n.startswith(f"blk.{block}.")}
+    return sum(model_file.tensors[name].n_bytes for name in names)
 
 
 # ---- checking and printing ------------------------------------------------------------

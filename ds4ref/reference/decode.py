@@ -150,24 +150,36 @@ def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
     return ops.hc_post(streams, attention_output(lw, cfg, o, cos, sin), post, comb)
 
 
-def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.ndarray | None = None) -> np.ndarray:
+def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.ndarray | None = None,
+                hidden: bool = False):
     """Advance every row's state by its token; the logits (rows flagged in emit, vocab),
-    emit defaulting to every row. float64 (plain NumPy, not batch-invariant) runs row by row."""
+    emit defaulting to every row. float64 (plain NumPy, not batch-invariant) runs row by row.
+    hidden: also return every row's final streams (N, hc, d), the head's input, which the
+    MTP block takes (reference/mtp.py)."""
     cfg = weights.config
     emit = np.ones(len(rows), bool) if emit is None else np.asarray(emit, bool)
     if len(rows) == 0:
-        return np.zeros((0, cfg.vocab_size), weights.dtype)
+        empty = np.zeros((0, cfg.vocab_size), weights.dtype)
+        return (empty, np.zeros((0, cfg.hc_mult, cfg.n_embd), weights.dtype)) if hidden else empty
     if not ops.batch_invariant(weights.dtype) and len(rows) > 1:
-        return np.concatenate([decode_rows(weights, tables, numerics, rows[i:i + 1], emit[i:i + 1])
-                               for i in range(len(rows))])
+        parts = [decode_rows(weights, tables, numerics, rows[i:i + 1], emit[i:i + 1], hidden)
+                 for i in range(len(rows))]
+        if hidden:
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return np.concatenate(parts)
     streams = embed(weights, rows.tokens, cfg)
     for il in range(cfg.n_layer):
         lw = LayerWeights(weights, il, numerics)
-        streams = attention_block(lw, cfg, tables, numerics, rows, il, streams)
-        streams = ffn_block(lw, cfg, il, streams, rows.tokens)
-    if not emit.any():
-        return np.zeros((0, cfg.vocab_size), weights.dtype)
-    return head(weights, cfg, numerics, streams[emit])
+        streams = block(lw, cfg, tables, numerics, rows, il, streams)
+    logits = head(weights, cfg, numerics, streams[emit]) if emit.any() else np.zeros((0, cfg.vocab_size),
+                                                                                    weights.dtype)
+    return (logits, streams) if hidden else logits
+
+
+def block(lw: LayerWeights, cfg, tables: Tables, numerics: str, rows: Rows, il: int, streams):
+    """One layer (attention, then FFN) on the rows' streams."""
+    streams = attention_block(lw, cfg, tables, numerics, rows, il, streams)
+    return ffn_block(lw, cfg, il, streams, rows.tokens)
 
 
 def decode_step(weights, tables: Tables, numerics: str, state, token: int, pos: int,

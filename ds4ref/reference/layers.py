@@ -48,8 +48,9 @@ class LayerWeights:
     """`blk.{il}.` tensors of one layer, fetched by suffix: lw[suffix] the floats, lw.matrix
     and lw.expert the operands of products in these numerics (product_weight)."""
 
-    def __init__(self, weights, il: int, numerics: str) -> None:
-        self.w, self.prefix, self.numerics = weights, f"blk.{il}.", numerics
+    def __init__(self, weights, il: int, numerics: str, prefix: str | None = None) -> None:
+        self.w, self.numerics = weights, numerics
+        self.prefix = f"blk.{il}." if prefix is None else prefix
 
     def __getitem__(self, suffix: str) -> np.ndarray:
         return self.w.get(self.prefix + suffix)
@@ -157,9 +158,13 @@ def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:
     return np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
 
 
-def head(weights, cfg: DS4Config, numerics: str, streams: np.ndarray) -> np.ndarray:
-    x = ops.hc_head(streams, product_weight(weights, "output_hc_fn.weight", numerics),
-                    weights.get("output_hc_base.weight"), weights.get("output_hc_scale.weight"),
-                    cfg.rms_eps, cfg.hc_eps)
-    x = ops.rmsnorm(x, weights.get("output_norm.weight"), cfg.rms_eps)
+def head(weights, cfg: DS4Config, numerics: str, streams: np.ndarray, mix=None) -> np.ndarray:
+    """Logits of the streams: HC head mix, final norm, output projection. `mix` (the MTP's):
+    another block's (fn, base, scale, norm) weights in front of the same output projection."""
+    if mix is None:
+        mix = (product_weight(weights, "output_hc_fn.weight", numerics), weights.get("output_hc_base.weight"),
+               weights.get("output_hc_scale.weight"), weights.get("output_norm.weight"))
+    fn, base, scale, norm = mix
+    x = ops.hc_head(streams, fn, base, scale, cfg.rms_eps, cfg.hc_eps)
+    x = ops.rmsnorm(x, norm, cfg.rms_eps)
     return ops.linear(x, product_weight(weights, "output.weight", numerics))

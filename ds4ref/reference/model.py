@@ -60,10 +60,12 @@ class Model:
         """One token through the decode state: the pass of one row."""
         return decode_step(self.weights, self.tables, self.numerics, state, int(token), int(pos), want_logits)
 
-    def step_rows(self, states, tokens, positions, emit=None) -> np.ndarray:
+    def step_rows(self, states, tokens, positions, emit=None, hidden: bool = False):
         """One pass of rows (row i: tokens[i] at positions[i] into states[i]; a sequence's rows
-        consecutive, in order); logits of the rows flagged in emit (default all), in row order."""
-        return decode_rows(self.weights, self.tables, self.numerics, Rows.of(states, tokens, positions), emit)
+        consecutive, in order); logits of the rows flagged in emit (default all), in row order.
+        hidden: (logits, every row's final streams), the MTP block's input (reference/mtp.py)."""
+        return decode_rows(self.weights, self.tables, self.numerics, Rows.of(states, tokens, positions), emit,
+                           hidden)
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (T, vocab) at every position.

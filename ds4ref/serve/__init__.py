@@ -17,10 +17,10 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: Optional[int] = None,
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
-                max_batched_rows: Optional[int] = None, prefix_cache: bool = True):
+                max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
     max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
-    prefix_cache the SeqEngine's."""
+    prefix_cache the SeqEngine's; mtp: antirez's separate MTP GGUF for the model (ds4ref.load's `mtp`)."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -32,7 +32,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
                                   max_batched_rows, prefix_cache)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
-    model = from_file(model_file, backend=backend, numerics=numerics)
+    model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp)
     context = plan.context
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache)

@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
                                 "OpenAI-compatible HTTP API.",
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
+    p.add_argument("--mtp", default=None, metavar="FILE",
+                   help="separate MTP GGUF (antirez's mtp.0.* layout) for --model; a model file that "
+                        "carries its MTP block (llama.cpp's layout) needs none")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy",
                    help="numpy: the exact reference; hip: the GPU fast path")
     p.add_argument("--numerics", choices=("official", "plain"), default="official",
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_context, args.max_queue, args.served_model_name,
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
                             api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
-                            max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache)
+                            max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache,
+                            mtp=args.mtp)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2

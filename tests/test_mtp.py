@@ -1,0 +1,208 @@
+"""The MTP block: its forward against float64 formulas, both GGUF layouts, the converter,
+the main model's logits untouched, and clear errors for bad MTP files (docs/mtp.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ds4ref
+from ds4ref.gguf.file import write_gguf, GGUFError
+from ds4ref.gguf.mtp import PREFIX, MTPError, mtp_config, mtp_tensor_shapes
+from ds4ref.gguf.tiny import random_mtp, random_tensors, tiny_config, tiny_dtypes, write_tiny
+from ds4ref.reference.decode import block
+from ds4ref.reference.layers import LayerWeights
+from ds4ref.reference.mtp import MTPState
+from ds4ref.reference.state import SeqState
+
+IDS = [5, 77, 300, 12, 9, 401, 33, 250, 18, 64, 100, 7, 222, 91, 3, 480, 17, 58, 199, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ds4ref.load()
+
+
+def _main_hidden(model, ids):
+    st = model.reference.new_state()
+    return model.reference.step_rows([st] * len(ids), ids, np.arange(len(ids)), hidden=True)
+
+
+def _drafts(model, ids):
+    logits, hidden = _main_hidden(model, ids)
+    ms = model.mtp.new_state()
+    return model.mtp.rows([ms] * (len(ids) - 1), hidden[:-1], ids[1:], np.arange(len(ids) - 1))
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _float64_mtp(model64, hidden, tokens):
+    """The official MTPBlock formulas in float64, written out here for what is the MTP's own
+    (enorm/hnorm, e_proj + h_proj per stream, hc_head with its own weights, norm, shared head);
+    the block in between is the main layers' float64 code (tested against transformers)."""
+    mw, cfg = model64.mtp.weights, model64.mtp.config
+    g = lambda s: mw.get(PREFIX + s)
+    eps = cfg.rms_eps
+    e = _rms(model64.weights.get("token_embd.weight")[tokens], g("enorm.weight"), eps)
+    h = _rms(hidden, g("hnorm.weight"), eps)
+    x = np.einsum("nkd,od->nko", h, g("h_proj.weight")) + (e @ g("e_proj.weight").T)[:, None]
+    states = [SeqState(cfg, np.float64)]
+    out = []
+    from ds4ref.reference.decode import Rows
+    for i in range(len(tokens)):
+        rows = Rows.of(states, [tokens[i]], [i])
+        out.append(block(LayerWeights(mw, 0, model64.numerics, PREFIX), cfg, model64.reference.tables,
+                         model64.numerics, rows, 0, x[i:i + 1]))
+    s = np.concatenate(out)
+    f = s.reshape(len(s), -1)
+    m = (f @ g("hc_head_fn.weight").T) / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + eps)
+    pre = 1 / (1 + np.exp(-(m * g("hc_head_scale.weight")[0] + g("hc_head_base.weight")))) + cfg.hc_eps
+    y = _rms(np.einsum("nk,nkd->nd", pre, s), g("norm.weight"), eps)
+    return y @ model64.weights.get("output.weight").T
+
+
+@pytest.fixture(scope="module")
+def all_f32(tmp_path_factory):
+    """The tiny model with every tensor stored f32: official float32 products of block-quantised
+    weights quantise their inputs to Q8 (canon.qlinear), which a float64 formula would not."""
+    path = tmp_path_factory.mktemp("mtp") / "f32.gguf"
+    write_tiny(path, dtypes={}, mtp=True)
+    return path
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_float32_against_float64_formulas(numerics, all_f32):
+    m32 = ds4ref.load(all_f32, numerics=numerics)
+    m64 = ds4ref.load(all_f32, numerics=numerics, dtype=np.float64)
+    _, hidden = _main_hidden(m32, IDS)  # both sides take the same main streams: the MTP alone is compared
+    draft32, _ = m32.mtp.rows([m32.mtp.new_state()] * (len(IDS) - 1), hidden[:-1], IDS[1:], np.arange(len(IDS) - 1))
+    ref = _float64_mtp(m64, hidden[:-1].astype(np.float64), np.asarray(IDS[1:]))
+    # a tolerance only because one side is float64: the float32 side is the canonical arithmetic
+    np.testing.assert_allclose(draft32, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_rows_at_once_equal_rows_one_by_one(tiny):
+    draft, streams = _drafts(tiny, IDS)
+    _, hidden = _main_hidden(tiny, IDS)
+    ms = tiny.mtp.new_state()
+    for p in range(len(IDS) - 1):
+        lg, s = tiny.mtp.step(ms, hidden[p], IDS[p + 1], p)
+        assert lg.tobytes() == draft[p].tobytes() and s.tobytes() == streams[p].tobytes()
+
+
+def test_state_rolls_back(tiny):
+    _, hidden = _main_hidden(tiny, IDS)
+    ms = tiny.mtp.new_state()
+    for p in range(5):
+        tiny.mtp.step(ms, hidden[p], IDS[p + 1], p)
+    snap = ms.save()
+    first, _ = tiny.mtp.step(ms, hidden[5], IDS[6], 5)
+    for p in range(6, 30):  # rejected drafts wrap the window
+        tiny.mtp.step(ms, hidden[5], 11, p)
+    ms.load(snap)
+    again, _ = tiny.mtp.step(ms, hidden[5], IDS[6], 5)
+    assert again.tobytes() == first.tobytes()
+
+
+def test_main_logits_unchanged_with_the_mtp_block(tmp_path, tiny):
+    write_tiny(tmp_path / "plain.gguf", mtp=False)
+    bare = ds4ref.load(tmp_path / "plain.gguf")
+    assert bare.mtp is None and tiny.mtp is not None
+    assert bare.score(IDS).tobytes() == tiny.score(IDS).tobytes()
+
+
+def _separate_file(path, cfg, tensors, drop=None, **meta):
+    import gguf
+    w = gguf.GGUFWriter(str(path), "deepseek4")
+    for k, v in meta.items():
+        w.add_uint32(k, v)
+    for name, arr in tensors.items():
+        if name != drop:
+            w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def _mtp_values(cfg, seed=0):
+    from ds4ref.gguf.file import stored_values
+    from ds4ref.gguf.mtp import in_file_name
+    t, d, _ = random_mtp(cfg, seed)
+    return {n: stored_values(t[in_file_name(n, cfg.n_layer)], d.get(in_file_name(n, cfg.n_layer), "f32"), n)
+            for n in mtp_tensor_shapes(mtp_config(cfg))}
+
+
+def test_separate_layout_gives_the_same_drafts(tmp_path, tiny):
+    cfg = tiny.config
+    write_tiny(tmp_path / "plain.gguf", mtp=False)
+    _separate_file(tmp_path / "mtp.gguf", cfg, _mtp_values(cfg))
+    sep = ds4ref.load(tmp_path / "plain.gguf", numerics="plain", mtp=tmp_path / "mtp.gguf")
+    inf = ds4ref.load(numerics="plain")
+    a, b = _drafts(sep, IDS)[0], _drafts(inf, IDS)[0]
+    assert a.tobytes() == b.tobytes()  # plain numerics: both read the same stored values as floats
+    assert "MTP block from" in sep.describe()
+
+
+def test_in_file_round_trip(tmp_path, tiny):
+    cfg = tiny.config
+    for name, v in _mtp_values(cfg).items():
+        assert np.array_equal(tiny.mtp.weights.get(name), v), name
+
+
+def test_fused_eh_proj_accepted(tmp_path, tiny):
+    cfg = tiny.config
+    tensors, dtypes = random_tensors(cfg, 0), tiny_dtypes(cfg)
+    t, d, meta = random_mtp(cfg, 0)
+    L = cfg.n_layer
+    e, h = t.pop(f"blk.{L}.nextn.e_proj.weight"), t.pop(f"blk.{L}.nextn.h_proj.weight")
+    t[f"blk.{L}.nextn.eh_proj.weight"] = np.concatenate([e, h], axis=1)
+    d.pop(f"blk.{L}.nextn.h_proj.weight")
+    d[f"blk.{L}.nextn.eh_proj.weight"] = d.pop(f"blk.{L}.nextn.e_proj.weight")
+    from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
+    write_gguf(tmp_path / "fused.gguf", cfg, {**tensors, **t}, tiny_tokenizer_meta(cfg.vocab_size),
+               {**dtypes, **d}, extra_meta=meta)
+    fused = ds4ref.load(tmp_path / "fused.gguf")
+    assert _drafts(fused, IDS)[0].tobytes() == _drafts(tiny, IDS)[0].tobytes()
+
+
+def test_errors(tmp_path, tiny):
+    cfg = tiny.config
+    write_tiny(tmp_path / "plain.gguf", mtp=False)
+    vals = _mtp_values(cfg)
+    _separate_file(tmp_path / "missing.gguf", cfg, vals, drop=PREFIX + "hnorm.weight")
+    with pytest.raises(MTPError, match="no tensor 'mtp.0.hnorm.weight'"):
+        ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "missing.gguf")
+    bad = dict(vals)
+    bad[PREFIX + "e_proj.weight"] = np.zeros((4, 4), np.float32)
+    _separate_file(tmp_path / "shape.gguf", cfg, bad)
+    with pytest.raises(MTPError, match=r"'mtp.0.e_proj.weight' has NumPy shape \(4, 4\)"):
+        ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "shape.gguf")
+    _separate_file(tmp_path / "other.gguf", cfg, vals, **{"deepseek4.embedding_length": 4096})
+    with pytest.raises(MTPError, match="belongs to another model"):
+        ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "other.gguf")
+    _separate_file(tmp_path / "none.gguf", cfg, {"x.weight": np.zeros(4)})
+    with pytest.raises(MTPError, match="no mtp.0.. tensors"):
+        ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "none.gguf")
+    with pytest.raises(MTPError, match="carries its own MTP block"):
+        ds4ref.load(mtp=tmp_path / "shape.gguf")
+    with pytest.raises(GGUFError, match="no such file"):
+        ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "absent.gguf")
+    with pytest.raises(MTPError, match="only 0"):
+        mtp_config(cfg, ratio=4)
+
+
+def test_incomplete_in_file_block_leaves_the_model_without_mtp(tmp_path, tiny):
+    """Auto-detected, an in-file block that does not fit is noted, not fatal (the main model runs,
+    as llama.cpp loads such files); asked for strictly, the error names the tensor."""
+    from ds4ref.gguf.file import open_gguf
+    from ds4ref.gguf.mtp import in_file_mtp_strict
+    from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
+    cfg = tiny.config
+    t, d, meta = random_mtp(cfg, 0)
+    del t[f"blk.{cfg.n_layer}.nextn.hnorm.weight"]
+    write_gguf(tmp_path / "part.gguf", cfg, {**random_tensors(cfg, 0), **t}, tiny_tokenizer_meta(cfg.vocab_size),
+               {**tiny_dtypes(cfg), **d}, extra_meta=meta)
+    m = ds4ref.load(tmp_path / "part.gguf")
+    assert m.mtp is None and "MTP block not usable" in m.describe() and "nextn.hnorm.weight" in m.describe()
+    assert m.score(IDS).tobytes() == tiny.score(IDS).tobytes()
+    with pytest.raises(MTPError, match=r"no tensor 'blk\.6\.nextn\.hnorm\.weight'"):
+        in_file_mtp_strict(open_gguf(tmp_path / "part.gguf"))
