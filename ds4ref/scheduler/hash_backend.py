@@ -43,6 +43,7 @@ class HashBackend:
         self.length = [0] * n_slots  # positions written per slot
         self.carry = [0] * n_slots   # CRC of each slot's tokens so far
         self.snapshots: dict[int, tuple[int, int]] = {}  # id -> (length, carry)
+        self._next_snapshot = 0
 
     def reset_slot(self, slot: int) -> None:
         self.tables[slot] = []
@@ -50,9 +51,9 @@ class HashBackend:
         self.carry[slot] = 0
 
     def save_state(self, slot: int) -> int:
-        sid = len(self.snapshots) + 1 + max(self.snapshots, default=0)
-        self.snapshots[sid] = (self.length[slot], self.carry[slot])
-        return sid
+        self._next_snapshot += 1
+        self.snapshots[self._next_snapshot] = (self.length[slot], self.carry[slot])
+        return self._next_snapshot
 
     def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
         if self.length[slot] or self.tables[slot]:

@@ -236,11 +236,16 @@ class SeqEngine:
         s = self.seqs[slot]
         if self.cache is None:
             return s.prompt_left
-        T, n = self.pool.page_tokens, len(s.prompt)
-        for b in range(s.fed // T + 1, n // T + 1):
-            if b % self.snapshot_every == 0 or b == n // T:
+        T = self.pool.page_tokens
+        for b in range(s.fed // T + 1, len(s.prompt) // T + 1):
+            if self._prompt_snapshots_at(s, b):
                 return b * T - s.fed
         return s.prompt_left
+
+    def _prompt_snapshots_at(self, s: Seq, boundary: int) -> bool:
+        """Whether s's prompt wants a snapshot after `boundary` pages: every snapshot_every
+        pages, and at the last boundary at or before the prompt's end."""
+        return boundary % self.snapshot_every == 0 or boundary == len(s.prompt) // self.pool.page_tokens
 
     def free_page_cost(self, slot: int, rows: int) -> int:
         """Free (unreserved) pages that running `rows` more rows of slot would take."""
@@ -273,7 +278,7 @@ class SeqEngine:
         b = s.fed // T
         if s.fed % T or not b or self.cache.has_snapshot(s.keys[-1]):
             return
-        if not s.prompting or b % self.snapshot_every == 0 or b == len(s.prompt) // T:
+        if not s.prompting or self._prompt_snapshots_at(s, b):
             try:
                 snapshot = self.backend.save_state(s.slot)
             except MemoryError as exc:  # a cache without this snapshot still serves every request
