@@ -102,6 +102,28 @@ class StepResult:
     argmax: np.ndarray               # int32[n_rows]; lower index wins ties; -1 where the row does not emit
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """Feed the MTP block (docs/mtp.md) one slot's rows of the last pass, then draft.
+
+    positions: consecutive positions that the slot's rows held in the last step(), from the
+    first one not yet fed to the MTP block; next_tokens[i] is the token at positions[i] + 1
+    (a prompt token, or the token just chosen for the last row). The MTP block runs once over
+    these rows (the main model's final streams of those rows, kept by the backend from that
+    step, with the embedding of next_tokens), writing its own window state at each position
+    exactly as if they had come one at a time. Then k - 1 further single-row MTP steps follow
+    from its own output streams and each draft, at positions[-1] + 1, + 2, ...
+
+    The MTP block's window entry at a position is thereby always the one computed from the
+    main model's streams there once that position is fed again: a later request starting at
+    positions[0] overwrites what speculative steps wrote, so the MTP state needs no rollback.
+    k = 0 only feeds the state (intermediate prompt chunks)."""
+    slot: int
+    positions: tuple[int, ...]
+    next_tokens: tuple[int, ...]
+    k: int
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str
@@ -134,6 +156,17 @@ class Backend(Protocol):
 
     def drop_state(self, snapshot: int) -> None:
         """Free a snapshot."""
+
+    # Speculative decoding (docs/scheduler.md) needs these two and an MTP block; a backend
+    # without them serves without speculation.
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        """The slot takes back the snapshot's state and position, keeping its block table:
+        the rows that passes after the snapshot wrote past its position stay in the pages
+        and are rewritten before any row reads them (a row reads only positions before its own)."""
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
+        """Per request, int32[k] draft tokens: each the MTP logits' argmax (lower index wins
+        ties). Called after a step() and before the next, for rows of that step."""
 
 
 # ---- the protocol's checks, shared by every backend ------------------------------------------
