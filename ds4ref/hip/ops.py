@@ -859,6 +859,9 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
               (x, np.int64(ldx or W), I32(W), I32(rows), q.xq, q.dx, q.xs))
 
 
+MMA_ROWS = 16  # passes of more rows than this run the quantised products as int8 MMA (ds4_qmm_*)
+
+
 def qmatvec_rows_per_warp(rows: int) -> int:
     return 2 if rows >= 16 else 1
 
@@ -869,16 +872,24 @@ def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, g
     """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide)."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
-    r = qmatvec_rows_per_warp(n)
-    rt.launch(kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}"), (_blocks(n, 8 * r), groups, lane_groups(L)),
+    if L > MMA_ROWS:  # prompt passes: the integer matrix units (same integers, same order after)
+        grid = (_blocks(n, 16), _blocks(L, 32), groups)
+        name = f"ds4_qmm_{w.wtype}"
+    else:
+        r = qmatvec_rows_per_warp(n)
+        grid = (_blocks(n, 8 * r), groups, lane_groups(L))
+        name = f"ds4_qmatvec_{w.wtype}_r{r}"
+    rt.launch(kernel(rt, "qdot", name), grid,
               (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
                        I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
 
 
-def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
-    """The routed experts of step_expert_list's entries, inputs quantised in q (rows K wide)."""
-    r = qmatvec_rows_per_warp(N)
-    rt.launch(kernel(rt, "qdot", f"ds4_qexperts_{wtype}_r{r}"), (expert_blocks(rt),), (256,),
+def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int,
+                    rows: int = 1) -> None:
+    """The routed experts of step_expert_list's entries for a pass of `rows` rows, inputs
+    quantised in q (rows K wide)."""
+    name = f"ds4_qmmx_{wtype}" if rows > MMA_ROWS else f"ds4_qexperts_{wtype}_r{qmatvec_rows_per_warp(N)}"
+    rt.launch(kernel(rt, "qdot", name), (expert_blocks(rt),), (256,),
               (wbuf, np.int64(packed_row_bytes(wtype, K)), q.xq, q.dx, q.xs, I32(per_choice), elist, y,
                I32(N), I32(K), I32(kk)))
 
@@ -946,7 +957,7 @@ def qrouted_experts(raw, wtype: str, x, ids, rt=None):
             rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
                       (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
             launch_quantize_q8(rt, s.up(xs), q, rows, K)
-            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
+            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk, rows=L)
             return s.get(y, (P, kk, N))[:L]
     finally:
         q.free()

@@ -352,3 +352,312 @@ DS4_QEXPERTS(ds4_qexperts_iq2_xxs_r1, WT_IQ2_XXS, 1)
 DS4_QEXPERTS(ds4_qexperts_iq2_xxs_r2, WT_IQ2_XXS, 2)
 DS4_QEXPERTS(ds4_qexperts_mxfp4_r1, WT_MXFP4, 1)
 DS4_QEXPERTS(ds4_qexperts_mxfp4_r2, WT_MXFP4, 2)
+
+// ---- prompt passes: the same product on integer matrix units ----------------------------------
+// Each half-block's integer dot S_h is an m16n8k16 int8 MMA (16 rows x 8 weight rows x 16
+// columns), exact like dp4a, so the block results t_b and everything after them are the
+// decode kernel's. The 32 partials keep their order too: partial p chains blocks b = p, p+32,
+// ... in increasing b, and warp w of the 8 owns partials w, w+8, w+16 and w+24, whose first two
+// butterfly steps (h = 16, 8) it adds itself; the last three (h = 4, 2, 1) run over the 8 warps'
+// sums in shared memory. A block of the grid owns 16 or 32 rows x 16 weight rows; its 8 warps
+// split the columns by partial, not the rows, so a row's result is formed exactly as in mq_rows.
+#define QM_OUTS 16   // weight rows of a tile: two 8-row MMA tiles
+
+// c (4 ints) += A (16x16 int8: a0 row g, a1 row g+8, columns 4t..4t+3) . B (16x8: b0 column g,
+// k 4t..4t+3), g = lane / 4, t = lane % 4; c0, c1: row g, columns 2t, 2t+1; c2, c3: row g+8.
+__device__ __forceinline__ void qm_mma16816(int* c, int a0, int a1, int b0) {
+#if DS4_IS_HIP
+    // no MMA instruction assumed: the same integers by dp4a over the shuffled fragments
+    int g = (threadIdx.x % DS4_WARP) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int x0 = DS4_SHFL(a0, 4 * g + j), x1 = DS4_SHFL(a1, 4 * g + j);
+        int w0 = DS4_SHFL(b0, 4 * (2 * t) + j), w1 = DS4_SHFL(b0, 4 * (2 * t + 1) + j);
+        c[0] = ds4_dp4a(x0, w0, c[0]); c[1] = ds4_dp4a(x0, w1, c[1]);
+        c[2] = ds4_dp4a(x1, w0, c[2]); c[3] = ds4_dp4a(x1, w1, c[3]);
+    }
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+#endif
+}
+
+// Block b of the row at rp as qb_load decodes it, but only the words of columns 4t.. of each
+// half, in c[0] and c[4]: a lane decodes a quarter of the block (the four lanes of a weight
+// row share it), and no register array is indexed by t (that would go to memory).
+template <int WT>
+__device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, int b, int t, QBlock& q,
+                                        const Iq2Tables* iq2) {
+    if (WT == WT_Q8_0) {
+        const int* p = (const int*)(rp + (long long)b * 32);
+        q.c[0] = p[t];
+        q.c[4] = p[4 + t];
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_IQ2_XXS) {  // word k: half k % 2 of group k / 2 (qb_load's c[2l], c[2l+1])
+        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
+        ds4_u32 aux0 = sub.x, aux1 = sub.y;
+        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int k = 4 * h + t, l = k / 2;
+            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
+            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
+            ds4_u32 vv = k % 2 ? v.y : v.x, mm = k % 2 ? m.y : m.x;
+            q.c[4 * h] = (int)((vv ^ mm) + (mm & 0x01010101u));
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s2 = 0.0f;
+    } else if (WT == WT_Q2_K) {
+        const ds4_u8* blk = rp + (long long)(b / 8) * 84;
+        int j = b % 8;
+        const ds4_u32* qs = (const ds4_u32*)(blk + 16 + 32 * (j / 4));
+        int sh = 2 * (j % 4);
+        q.c[0] = (int)((qs[t] >> sh) & 0x03030303u);
+        q.c[4] = (int)((qs[4 + t] >> sh) & 0x03030303u);
+        ds4_u32 sc0 = blk[2 * j], sc1 = blk[2 * j + 1];
+        q.mul0 = (int)(sc0 & 15u); q.mn0 = (int)(sc0 >> 4);
+        q.mul1 = (int)(sc1 & 15u); q.mn1 = (int)(sc1 >> 4);
+        ds4_u32 dd = *(const ds4_u32*)(blk + 80);
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    } else {
+        qb_load<WT>(rp, K, b, q, iq2);
+        int lo = q.c[0], hi = q.c[4];
+#pragma unroll
+        for (int k = 1; k < 4; ++k) {
+            lo = t == k ? q.c[k] : lo;
+            hi = t == k ? q.c[4 + k] : hi;
+        }
+        q.c[0] = lo;
+        q.c[4] = hi;
+    }
+}
+
+// One partial's chain (blocks b = p, p + 32, ...) of a (16 MT) x 16 tile into acc[mi][ni][e],
+// element e of C fragment (mi, ni) as in qm_mma16816. rowp[ni]: weight row g of 8-row tile ni;
+// xr / dr / sr[2 mi + hr]: codes, block scales and half sums of input row g + 8 hr of tile mi.
+template <int WT, int MT>
+__device__ __forceinline__ void qm_chain(int p, int nb, const ds4_u8* const* rowp, int K,
+                                         const ds4_i8* const* xr, const float* const* dr,
+                                         const short* const* sr, float (&acc)[MT][2][4],
+                                         const Iq2Tables* iq2) {
+    const bool has_min = QHasMin<WT>::value;
+    int t = threadIdx.x % 4;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+    for (int b = p; b < nb; b += DS4_WARP) {
+        // this lane holds B words of weight row g; its C elements need the scales of rows
+        // 2t and 2t + 1, which come from those rows' lanes
+        int bw[2][2];
+        float s1[2][2], s2[2][2];
+        int mul[2][2][2], mn[2][2][2];
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+            QBlock w;
+            qm_load<WT>(rowp[ni], K, b, t, w, iq2);
+            bw[ni][0] = w.c[0];
+            bw[ni][1] = w.c[4];
+            int packed = (w.mul0 & 0xff) | ((w.mul1 & 0xff) << 8) | ((w.mn0 & 0xff) << 16) | ((w.mn1 & 0xff) << 24);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                int src = 4 * (2 * t + j);
+                s1[ni][j] = DS4_SHFL(w.s1, src);
+                s2[ni][j] = DS4_SHFL(w.s2, src);
+                int pk = DS4_SHFL(packed, src);
+                mul[ni][j][0] = pk & 0xff; mul[ni][j][1] = (pk >> 8) & 0xff;
+                mn[ni][j][0] = (pk >> 16) & 0xff; mn[ni][j][1] = (pk >> 24) & 0xff;
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+            int a[2][2];
+            float d[2];
+            int X[2][2] = {{0, 0}, {0, 0}};
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const ds4_i8* xp = xr[2 * mi + hr] + (long long)b * QB + 4 * t;
+                a[hr][0] = *(const int*)xp;
+                a[hr][1] = *(const int*)(xp + 16);
+                d[hr] = dr[2 * mi + hr][b];
+                if (has_min) {
+                    X[hr][0] = sr[2 * mi + hr][2 * b];
+                    X[hr][1] = sr[2 * mi + hr][2 * b + 1];
+                }
+            }
+#pragma unroll
+            for (int ni = 0; ni < 2; ++ni) {
+                int S[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+                qm_mma16816(S[0], a[0][0], a[1][0], bw[ni][0]);
+                qm_mma16816(S[1], a[0][1], a[1][1], bw[ni][1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int j = e % 2, hr = e / 2;
+                    int A = mul[ni][j][0] * S[0][e] + mul[ni][j][1] * S[1][e];
+                    float tb = s1[ni][j] * (float)A;
+                    if (has_min) tb = tb - s2[ni][j] * (float)(mn[ni][j][0] * X[hr][0] + mn[ni][j][1] * X[hr][1]);
+                    acc[mi][ni][e] = fmaf(d[hr], tb, acc[mi][ni][e]);
+                }
+            }
+        }
+    }
+}
+
+// The tile's 32 partials through the butterfly's first two steps into sums[warp] (row-major,
+// 16 columns); p[w] + p[w+16] waits there, in this lane's own places, while the other pair runs.
+template <int WT, int MT>
+__device__ __forceinline__ void qm_tile(int nb, const ds4_u8* const* rowp, int K, const ds4_i8* const* xr,
+                                        const float* const* dr, const short* const* sr,
+                                        float (*sums)[32 * QM_OUTS], const Iq2Tables* iq2) {
+    int warp = threadIdx.x / DS4_WARP, g = (threadIdx.x % DS4_WARP) / 4, t = threadIdx.x % 4;
+    float acc[MT][2][4], acc2[MT][2][4];
+    qm_chain<WT, MT>(warp + 16, nb, rowp, K, xr, dr, sr, acc2, iq2);
+    qm_chain<WT, MT>(warp, nb, rowp, K, xr, dr, sr, acc, iq2);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sums[warp][(16 * mi + g + 8 * (e / 2)) * QM_OUTS + 8 * ni + 2 * t + e % 2] =
+                    acc[mi][ni][e] + acc2[mi][ni][e];
+    qm_chain<WT, MT>(warp + 24, nb, rowp, K, xr, dr, sr, acc2, iq2);
+    qm_chain<WT, MT>(warp + 8, nb, rowp, K, xr, dr, sr, acc, iq2);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int i = (16 * mi + g + 8 * (e / 2)) * QM_OUTS + 8 * ni + 2 * t + e % 2;
+                sums[warp][i] = sums[warp][i] + (acc[mi][ni][e] + acc2[mi][ni][e]);
+            }
+}
+
+// The butterfly's last three steps (h = 4, 2, 1) over the 8 warps' sums of element i.
+__device__ __forceinline__ float qm_finish(float (*sums)[32 * QM_OUTS], int i) {
+    float q0 = sums[0][i] + sums[4][i], q1 = sums[1][i] + sums[5][i];
+    float q2 = sums[2][i] + sums[6][i], q3 = sums[3][i] + sums[7][i];
+    return (q0 + q2) + (q1 + q3);
+}
+
+// Dense, as mq_body: a block owns rows 32 by .. 32 by + 31 (two 16-lane groups) x weight rows
+// 16 bx .. 16 bx + 15 of group bz.
+template <int WT>
+__device__ void qm_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {
+    __shared__ float sums[MQ_WARPS][32 * QM_OUTS];
+    __shared__ Iq2Tables iq2[1];
+    if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
+    int g = (threadIdx.x % DS4_WARP) / 4;
+    int l0 = (int)blockIdx.y * 32, o0 = (int)blockIdx.x * QM_OUTS, grp = blockIdx.z;
+    int na[2];  // rows stored: as mq_body, each 16-lane group up to its last active lane
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+        int lm = l0 + 16 * mi, n = L - lm < 16 ? L - lm : 16;
+        na[mi] = n <= 0 ? 0 : mv3_active(n, lane_slot ? lane_slot + lm : lane_slot);
+    }
+    if (na[0] == 0 && na[1] == 0) return;
+    const ds4_u8* rowp[2];
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni) {
+        int o = o0 + 8 * ni + g;
+        rowp[ni] = W + ((long long)grp * N + (o < N ? o : 0)) * rb;
+    }
+    const ds4_i8* xr[4];
+    const float* dr[4];
+    const short* sr[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int l = l0 + 16 * (i / 2) + g + 8 * (i % 2);
+        long long base = (long long)(l < L ? l : 0) * Wx + (long long)grp * xg;
+        xr[i] = xq + base;
+        dr[i] = dx + base / QB;
+        sr[i] = xs + base / 16;
+    }
+    __syncthreads();  // the IQ2_XXS tables
+    qm_tile<WT, 2>(K / QB, rowp, K, xr, dr, sr, sums, iq2);
+    __syncthreads();
+    for (int i = threadIdx.x; i < 32 * QM_OUTS; i += blockDim.x) {
+        int r = i / QM_OUTS, o = o0 + i % QM_OUTS;
+        if (o < N && r % 16 < na[r / 16])
+            y[(long long)(l0 + r) * ldy + (long long)grp * N + o] = qm_finish(sums, i);
+    }
+}
+
+#define DS4_QMM(NAME, WT)                                                                             \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 2)                             \
+        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
+             int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {                       \
+        qm_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                             \
+    }
+
+DS4_QMM(ds4_qmm_q8_0, WT_Q8_0)
+DS4_QMM(ds4_qmm_q2_k, WT_Q2_K)
+DS4_QMM(ds4_qmm_q4_k, WT_Q4_K)
+DS4_QMM(ds4_qmm_iq2_xxs, WT_IQ2_XXS)
+DS4_QMM(ds4_qmm_mxfp4, WT_MXFP4)
+
+// Routed experts, as qx_body: an item is one entry's (up to 16 pairs: one MMA row tile) x 16
+// weight rows of its expert.
+template <int WT>
+__device__ void qmx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
+                         const short* xs, int x_per_choice, const int* __restrict__ list, float* __restrict__ y,
+                         int N, int K, int kk) {
+    __shared__ float sums[MQ_WARPS][32 * QM_OUTS];
+    __shared__ Iq2Tables iq2[1];
+    if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
+    __syncthreads();
+    int g = (threadIdx.x % DS4_WARP) / 4;
+    int oblocks = (N + QM_OUTS - 1) / QM_OUTS;
+    int n_items = list[0] * oblocks;
+    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
+        const int* ent = list + 1 + (w / oblocks) * QX_STRIDE;
+        int na = ent[1], o0 = (w % oblocks) * QM_OUTS;
+        const ds4_u8* rowp[2];
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+            int o = o0 + 8 * ni + g;
+            rowp[ni] = W + ((long long)ent[0] * N + (o < N ? o : 0)) * rb;
+        }
+        const ds4_i8* xr[2];
+        const float* dr[2];
+        const short* sr[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            int pr = g + 8 * hr;
+            long long lt = pr < na ? ent[2 + pr] : ent[2];
+            long long base = (x_per_choice ? lt : lt / kk) * K;
+            xr[hr] = xq + base;
+            dr[hr] = dx + base / QB;
+            sr[hr] = xs + base / 16;
+        }
+        qm_tile<WT, 1>(K / QB, rowp, K, xr, dr, sr, sums, iq2);
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * QM_OUTS; i += blockDim.x) {
+            int r = i / QM_OUTS, o = o0 + i % QM_OUTS;
+            if (o < N && r < na) y[(long long)ent[2 + r] * N + o] = qm_finish(sums, i);
+        }
+        __syncthreads();  // sums are the next item's
+    }
+}
+
+#define DS4_QMMX(NAME, WT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 2)                             \
+        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,          \
+             int x_per_choice, const int* list, float* y, int N, int K, int kk) {                        \
+        qmx_body<WT>(W, rb, xq, dx, xs, x_per_choice, list, y, N, K, kk);                                \
+    }
+
+DS4_QMMX(ds4_qmmx_q8_0, WT_Q8_0)
+DS4_QMMX(ds4_qmmx_q2_k, WT_Q2_K)
+DS4_QMMX(ds4_qmmx_q4_k, WT_Q4_K)
+DS4_QMMX(ds4_qmmx_iq2_xxs, WT_IQ2_XXS)
+DS4_QMMX(ds4_qmmx_mxfp4, WT_MXFP4)
