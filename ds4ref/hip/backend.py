@@ -536,7 +536,7 @@ class HipBackend:
             if q8 is None:
                 q8 = self._q8
                 K.launch_quantize_q8(rec, x, q8, rec.L * (kk if per_choice else 1), Kc)
-            K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk, rows=rec.L)
+            K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk)
             return
         r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > DECODE_LANES else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,

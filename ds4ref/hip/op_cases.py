@@ -729,7 +729,7 @@ CASES: tuple[OpCase, ...] = (
     OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qmm_*"), g.qmatvec,
            lambda x, raw, wtype: canon_qlinear(x, raw, wtype), _make_qmatvec,
            dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qmatvec),
-    OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*", "ds4_qmmx_*"), g.qrouted_experts,
+    OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,
            lambda mats, wtype, x, ids: ref_experts(
                mats, wtype, x, ids, lambda xi, m, wt: canon_qlinear(xi[None], m[0], wt)[0]),
            _make_qrouted, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],

@@ -859,7 +859,10 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
               (x, np.int64(ldx or W), I32(W), I32(rows), q.xq, q.dx, q.xs))
 
 
-MMA_ROWS = 16  # passes of more rows than this run the quantised products as int8 MMA (ds4_qmm_*)
+# Passes of more rows than MMA_ROWS run dense products of these types as int8 MMA (ds4_qmm_*):
+# where it measured faster than dp4a on the H200 (docs/performance.md, "Prompt products on int8 MMA").
+MMA_ROWS = 16
+MMA_WTYPES = ("q8_0",)
 
 
 def qmatvec_rows_per_warp(rows: int) -> int:
@@ -868,11 +871,12 @@ def qmatvec_rows_per_warp(rows: int) -> int:
 
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
                    Wx: int | None = None, xg: int = 0, ldy: int | None = None,
-                   lane_slot: DeviceBuffer | None = None) -> None:
-    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide)."""
+                   lane_slot: DeviceBuffer | None = None, mma: bool = False) -> None:
+    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide);
+    mma: the MMA kernel for every type past MMA_ROWS rows (the twins check them all)."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
-    if L > MMA_ROWS:  # prompt passes: the integer matrix units (same integers, same order after)
+    if L > MMA_ROWS and (w.wtype in MMA_WTYPES or mma):  # the same integers, the same order after
         grid = (_blocks(n, 16), _blocks(L, 32), groups)
         name = f"ds4_qmm_{w.wtype}"
     else:
@@ -884,18 +888,16 @@ def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, g
                        I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
 
 
-def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int,
-                    rows: int = 1) -> None:
-    """The routed experts of step_expert_list's entries for a pass of `rows` rows, inputs
-    quantised in q (rows K wide)."""
-    name = f"ds4_qmmx_{wtype}" if rows > MMA_ROWS else f"ds4_qexperts_{wtype}_r{qmatvec_rows_per_warp(N)}"
-    rt.launch(kernel(rt, "qdot", name), (expert_blocks(rt),), (256,),
+def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
+    """The routed experts of step_expert_list's entries, inputs quantised in q (rows K wide)."""
+    rt.launch(kernel(rt, "qdot", f"ds4_qexperts_{wtype}_r{qmatvec_rows_per_warp(N)}"), (expert_blocks(rt),), (256,),
               (wbuf, np.int64(packed_row_bytes(wtype, K)), q.xq, q.dx, q.xs, I32(per_choice), elist, y,
                I32(N), I32(K), I32(kk)))
 
 
-def qmatvec(raw, wtype: str, x, rt=None):
-    """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N)."""
+def qmatvec(raw, wtype: str, x, rt=None, mma: bool = False):
+    """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N); the backend's
+    kernel for L rows, or with mma the MMA kernel of every type past MMA_ROWS rows."""
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     L, K = x.shape
@@ -907,7 +909,7 @@ def qmatvec(raw, wtype: str, x, rt=None):
         with _Scope(rt) as s:
             y = s.out((L, dw.rows))
             launch_quantize_q8(rt, s.up(x), q, L, K)
-            launch_qmatvec(rt, dw, q, y, L)
+            launch_qmatvec(rt, dw, q, y, L, mma=mma)
             return s.get(y, (L, dw.rows))
     finally:
         dw.buf.free()
@@ -957,7 +959,7 @@ def qrouted_experts(raw, wtype: str, x, ids, rt=None):
             rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
                       (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
             launch_quantize_q8(rt, s.up(xs), q, rows, K)
-            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk, rows=L)
+            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
             return s.get(y, (P, kk, N))[:L]
     finally:
         q.free()

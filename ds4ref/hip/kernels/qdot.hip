@@ -359,7 +359,7 @@ DS4_QEXPERTS(ds4_qexperts_mxfp4_r2, WT_MXFP4, 2)
 // decode kernel's. The 32 partials keep their order too: partial p chains blocks b = p, p+32,
 // ... in increasing b, and warp w of the 8 owns partials w, w+8, w+16 and w+24, whose first two
 // butterfly steps (h = 16, 8) it adds itself; the last three (h = 4, 2, 1) run over the 8 warps'
-// sums in shared memory. A block of the grid owns 16 or 32 rows x 16 weight rows; its 8 warps
+// sums in shared memory. A block of the grid owns 32 rows x 16 weight rows; its 8 warps
 // split the columns by partial, not the rows, so a row's result is formed exactly as in mq_rows.
 #define QM_OUTS 16   // weight rows of a tile: two 8-row MMA tiles
 
@@ -599,65 +599,10 @@ __device__ void qm_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         qm_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                             \
     }
 
+// Every type is built and bitwise (the qmatvec twin); the backend takes the MMA path where it
+// measured faster than the dp4a kernel (ops.MMA_WTYPES, docs/performance.md).
 DS4_QMM(ds4_qmm_q8_0, WT_Q8_0)
 DS4_QMM(ds4_qmm_q2_k, WT_Q2_K)
 DS4_QMM(ds4_qmm_q4_k, WT_Q4_K)
 DS4_QMM(ds4_qmm_iq2_xxs, WT_IQ2_XXS)
 DS4_QMM(ds4_qmm_mxfp4, WT_MXFP4)
-
-// Routed experts, as qx_body: an item is one entry's (up to 16 pairs: one MMA row tile) x 16
-// weight rows of its expert.
-template <int WT>
-__device__ void qmx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
-                         const short* xs, int x_per_choice, const int* __restrict__ list, float* __restrict__ y,
-                         int N, int K, int kk) {
-    __shared__ float sums[MQ_WARPS][32 * QM_OUTS];
-    __shared__ Iq2Tables iq2[1];
-    if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
-    __syncthreads();
-    int g = (threadIdx.x % DS4_WARP) / 4;
-    int oblocks = (N + QM_OUTS - 1) / QM_OUTS;
-    int n_items = list[0] * oblocks;
-    for (int w = blockIdx.x; w < n_items; w += gridDim.x) {
-        const int* ent = list + 1 + (w / oblocks) * QX_STRIDE;
-        int na = ent[1], o0 = (w % oblocks) * QM_OUTS;
-        const ds4_u8* rowp[2];
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
-            int o = o0 + 8 * ni + g;
-            rowp[ni] = W + ((long long)ent[0] * N + (o < N ? o : 0)) * rb;
-        }
-        const ds4_i8* xr[2];
-        const float* dr[2];
-        const short* sr[2];
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            int pr = g + 8 * hr;
-            long long lt = pr < na ? ent[2 + pr] : ent[2];
-            long long base = (x_per_choice ? lt : lt / kk) * K;
-            xr[hr] = xq + base;
-            dr[hr] = dx + base / QB;
-            sr[hr] = xs + base / 16;
-        }
-        qm_tile<WT, 1>(K / QB, rowp, K, xr, dr, sr, sums, iq2);
-        __syncthreads();
-        for (int i = threadIdx.x; i < 16 * QM_OUTS; i += blockDim.x) {
-            int r = i / QM_OUTS, o = o0 + i % QM_OUTS;
-            if (o < N && r < na) y[(long long)ent[2 + r] * N + o] = qm_finish(sums, i);
-        }
-        __syncthreads();  // sums are the next item's
-    }
-}
-
-#define DS4_QMMX(NAME, WT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 2)                             \
-        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,          \
-             int x_per_choice, const int* list, float* y, int N, int K, int kk) {                        \
-        qmx_body<WT>(W, rb, xq, dx, xs, x_per_choice, list, y, N, K, kk);                                \
-    }
-
-DS4_QMMX(ds4_qmmx_q8_0, WT_Q8_0)
-DS4_QMMX(ds4_qmmx_q2_k, WT_Q2_K)
-DS4_QMMX(ds4_qmmx_q4_k, WT_Q4_K)
-DS4_QMMX(ds4_qmmx_iq2_xxs, WT_IQ2_XXS)
-DS4_QMMX(ds4_qmmx_mxfp4, WT_MXFP4)
