@@ -802,29 +802,70 @@ QUANT_WTYPES = tuple(BLOCK_QUANTS)
 def packed_row_bytes(wtype: str, K: int) -> int:
     """Bytes per row of K weights in pack_qrows' layout (a multiple of 16 for the repacked types)."""
     nbytes, per = BLOCK_QUANTS[wtype]
-    if wtype in ("q2_k", "q4_k"):
+    if wtype == "q4_k":
         return K // per * nbytes
-    body = {"q8_0": K + K // 16, "iq2_xxs": K // 4 + K // 128, "mxfp4": K // 2 + K // 32}[wtype]
+    body = {"q8_0": K + K // 16, "iq2_xxs": K // 4 + K // 128, "mxfp4": K // 2 + K // 32,
+            "q2_k": K // 4 + K // 16 + K // 64}[wtype]
     return -(-body // 16) * 16
 
 
 def pack_qrows(wtype: str, raw: np.ndarray) -> np.ndarray:
     """GGUF rows (rows, row bytes) uint8 -> the layout qdot.hip reads, where a lane's 32-column
     block is one aligned load: Q8_0 [K int8 codes][K/32 f16 d], IQ2_XXS [K/32 x 8-byte
-    sub-blocks][K/256 f16 d], MXFP4 [K/32 x 16 code bytes][K/32 E8M0 bytes], each row padded to
-    16 bytes. Q2_K and Q4_K keep the file's super-blocks (4- and 16-byte aligned already)."""
+    sub-blocks][K/256 f16 d], MXFP4 [K/32 x 16 code bytes][K/32 E8M0 bytes], Q2_K
+    [K/32 x 8 code bytes (q2k_block_codes)][K/16 scale bytes][K/256 x f16 d, f16 dmin], each row
+    padded to 16 bytes. Q4_K keeps the file's super-blocks (16-byte aligned already). Every
+    byte of the file is kept (unpack_q2k_rows inverts the Q2_K layout)."""
     raw = np.ascontiguousarray(raw, np.uint8)
     rows = raw.shape[0]
     K = weight_cols(raw, wtype)
-    if wtype in ("q2_k", "q4_k"):
+    if wtype == "q4_k":
         return raw
     nbytes, per = BLOCK_QUANTS[wtype]
     blk = raw.reshape(rows, K // per, nbytes)
-    head = {"q8_0": 2, "iq2_xxs": 2, "mxfp4": 1}[wtype]  # the block's scale bytes come first
-    body = np.concatenate([blk[..., head:].reshape(rows, -1), blk[..., :head].reshape(rows, -1)], axis=1)
+    if wtype == "q2_k":
+        parts = [q2k_block_codes(blk[..., 16:80]).reshape(rows, -1), blk[..., :16].reshape(rows, -1),
+                 blk[..., 80:84].reshape(rows, -1)]
+    else:
+        head = {"q8_0": 2, "iq2_xxs": 2, "mxfp4": 1}[wtype]  # the block's scale bytes come first
+        parts = [blk[..., head:].reshape(rows, -1), blk[..., :head].reshape(rows, -1)]
+    body = np.concatenate(parts, axis=1)
     out = np.zeros((rows, packed_row_bytes(wtype, K)), np.uint8)
     out[:, :body.shape[1]] = body
     return out
+
+
+def q2k_block_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's qs bytes (..., 64) of each super-block -> (..., 8 blocks, 8 bytes): block j's 32
+    2-bit codes on their own, so a lane reads 8 bytes instead of the 32 its block shares with
+    three others. Byte 4w + e of a block holds the codes of its columns 16w + 4s + e at bits
+    2s (s < 4): the block's code word k (columns 4k .. 4k + 3, one per byte, as dp4a takes them)
+    is (word k/4 >> 2(k%4)) & 0x03030303. In the file, column l of block j = 4u + s is bits 2s of
+    qs[32u + l]."""
+    qs = np.asarray(qs, np.uint8)
+    lead = qs.shape[:-1]
+    # codes[..., j, l]: block j = 4u + s, column l
+    codes = (qs.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
+    codes = codes.reshape(*lead, 8, 2, 4, 4)  # (block, w, s, e): column 16w + 4s + e
+    out = np.zeros((*lead, 8, 2, 4), np.uint8)  # (block, w, e)
+    for s in range(4):
+        out |= codes[..., :, :, s, :] << (2 * s)
+    return out.reshape(*lead, 8, 8)
+
+
+def unpack_q2k_rows(packed: np.ndarray, K: int) -> np.ndarray:
+    """pack_qrows' Q2_K rows (rows, packed_row_bytes) -> the file's rows (rows, K/256 * 84)."""
+    packed = np.ascontiguousarray(packed, np.uint8)
+    rows, nsb = packed.shape[0], K // 256
+    cb = packed[:, :K // 4].reshape(rows, nsb, 8, 2, 4)  # (super-block, block, w, e)
+    codes = (cb[..., None, :] >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # (.., w, s, e)
+    codes = codes.reshape(rows, nsb, 2, 4, 32)  # (u, s, l): block 4u + s, column l
+    qs = np.zeros((rows, nsb, 2, 32), np.uint8)
+    for s in range(4):
+        qs |= codes[:, :, :, s, :] << (2 * s)
+    scales = packed[:, K // 4:K // 4 + K // 16].reshape(rows, nsb, 16)
+    dd = packed[:, K // 4 + K // 16:K // 4 + K // 16 + K // 64].reshape(rows, nsb, 4)
+    return np.concatenate([scales, qs.reshape(rows, nsb, 64), dd], axis=2).reshape(rows, -1)
 
 
 @dataclass

@@ -174,6 +174,18 @@ def test_attention_batch_invariance(rt):
         assert np.array_equal(alone[-1], among[l])
 
 
+@pytest.mark.parametrize("defines", ["AT_KT=8", "AT_HPW=2", "AT_KT=8 AT_HPW=2", "AT_KT=4"])
+@pytest.mark.parametrize("kind", [g.ROW_F32, g.ROW_KV])
+@pytest.mark.parametrize("H", [20, 64])
+def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
+    """step_attention_split's key tile and heads per warp (docs/kernels.md, tuning macros) give
+    the reference's bits: Flash's width in both row formats, 20 heads leaving warps idle."""
+    from ds4ref.hip.op_cases import make_attention, ref_attention_paged
+    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
+    args = make_attention(5, 16, H, 512, 128, "selected", kind)[0]
+    assert same_bits(g.attention_paged(*args, rt=rt), ref_attention_paged(*args))
+
+
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16", "q8_0", *QUANTS])
 @pytest.mark.parametrize("n,k,L", [(300, 4096 + 96, 1), (1000, 1024, 16), (5000, 256, 3), (9000, 512, 7),
                                    (600, 4096 + 96, 16), (700, 2048, 40)])

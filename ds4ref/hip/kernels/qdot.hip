@@ -13,8 +13,9 @@
 // Weights are the GGUF blocks, the unaligned ones repacked at upload so that a lane's
 // block is one aligned load (ops.pack_qrows): Q8_0 rows as [K int8][K/32 f16 d],
 // IQ2_XXS as [K/32 x (u32 grid indices, u32 signs + scale)][K/256 f16 d], MXFP4 as
-// [K/32 x 16 code bytes][K/32 E8M0 bytes], each row padded to 16 bytes. Q2_K and Q4_K
-// keep the file's super-blocks.
+// [K/32 x 16 code bytes][K/32 E8M0 bytes], Q2_K as [K/32 x 8 code bytes][K/16 scale
+// bytes][K/256 x (f16 d, f16 dmin)], each row padded to 16 bytes. Q4_K keeps the file's
+// (16-byte aligned) super-blocks.
 #include "ds4_mv3.h"
 #include "ds4_q8.h"
 
@@ -131,17 +132,17 @@ __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, in
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
-    } else if (WT == WT_Q2_K) {  // super-block: scales[16], qs[64], d, dmin; block j of 8 = half n, shift 2(j%4)
-        const ds4_u8* blk = rp + (long long)(b / 8) * 84;
-        int j = b % 8;
-        const ds4_u32* qs = (const ds4_u32*)(blk + 16 + 32 * (j / 4));
-        int sh = 2 * (j % 4);
+    } else if (WT == WT_Q2_K) {  // [K/32 x 8 code bytes][K/16 scales][K/256 x (d, dmin)]: ops.q2k_block_codes
+        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) q.c[k] = (int)((qs[k] >> sh) & 0x03030303u);
-        ds4_u32 sc0 = blk[2 * j], sc1 = blk[2 * j + 1];
-        q.mul0 = (int)(sc0 & 15u); q.mn0 = (int)(sc0 >> 4);
-        q.mul1 = (int)(sc1 & 15u); q.mn1 = (int)(sc1 >> 4);
-        ds4_u32 dd = *(const ds4_u32*)(blk + 80);
+        for (int k = 0; k < 4; ++k) {
+            q.c[k] = (int)((cw.x >> (2 * k)) & 0x03030303u);
+            q.c[4 + k] = (int)((cw.y >> (2 * k)) & 0x03030303u);
+        }
+        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];  // the block's halves: scales[2b], scales[2b + 1]
+        q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
+        q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
+        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
         q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
         q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
     } else {  // Q4_K: d, dmin, scales[12], qs[128]; block j of 8 = nibble j%2 of the 32 bytes at 32(j/2)

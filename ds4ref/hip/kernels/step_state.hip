@@ -312,10 +312,22 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 
 // ---- attention with sinks over ring + pass + paged compressed rows ---------
 
-#define AT_WARPS 8     // heads per block
-#define AT_KT 8        // key rows staged per step
+// Tuning macros (DS4REF_KERNEL_DEFINES; none changes a bit): AT_KT key rows decoded into
+// shared memory per step (2 KiB each, so at most 16 in static shared memory; 16 halves the
+// barriers of 8 at no occupancy cost: registers allow 3 blocks a multiprocessor), AT_HPW
+// heads per warp (2: a warp reads each key element once for both heads and a block decodes
+// a slice for 16 heads, but 128 registers with spills and 2 blocks a multiprocessor,
+// against 80 at 1).
+#define AT_WARPS 8     // warps per block
+#ifndef AT_KT
+#define AT_KT 16
+#endif
 #define AT_DMAX 512
 #define AT_DPL (AT_DMAX / DS4_WARP)
+#ifndef AT_HPW
+#define AT_HPW 1
+#endif
+#define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
 
 struct KeySrc {
     const float* pass_kv;  // (L, D) this pass's roped KV rows
@@ -328,28 +340,63 @@ struct KeySrc {
     RowFmt fmt;
 };
 
-// Element d of key number n of the lane: raw positions lo..pos first (oldest first), then
-// the compressed rows in index order.
-__device__ __forceinline__ float key_elem(const KeySrc& k, int l, int s, int lo, int nraw, int pstart,
-                                          int flane, int n, int d) {
+// Where key number n of the lane is stored, and in which format (*kind): raw positions
+// lo..pos first (oldest first; the pass's float32 rows from pstart on, the ring's before),
+// then the compressed rows in index order.
+__device__ __forceinline__ const ds4_u8* key_row(const KeySrc& k, int l, int s, int lo, int nraw, int pstart,
+                                                 int flane, int n, int* kind) {
     if (n < nraw) {
         int q = lo + n;
-        if (q >= pstart) return k.pass_kv[(long long)(flane + q - pstart) * k.D + d];
-        return row_get(k.ring + s * k.ring_stride + (long long)(q % k.W) * row_bytes(k.fmt), k.fmt, d);
+        if (q >= pstart) {
+            *kind = ROW_F32;
+            return (const ds4_u8*)(k.pass_kv + (long long)(flane + q - pstart) * k.D);
+        }
+        *kind = k.fmt.kind;
+        return k.ring + s * k.ring_stride + (long long)(q % k.W) * row_bytes(k.fmt);
     }
     int t = n - nraw;
     int r = k.sel ? k.sel[(long long)l * k.ksel + t] : t;
     int page = k.btab[(long long)s * k.maxp + r / k.per];
-    return row_get(k.store + ((long long)page * k.per + r % k.per) * row_bytes(k.fmt), k.fmt, d);
+    *kind = k.fmt.kind;
+    return k.store + ((long long)page * k.per + r % k.per) * row_bytes(k.fmt);
+}
+
+// Elements d .. d+3 (d % 4 == 0) of a key row, float32 (kind ROW_F32) or ROW_KV (D and nrot
+// from f): the bits row_get gives, read with one float4 or one word of four codes where the
+// row's alignment allows, element by element where it does not.
+__device__ __forceinline__ float4 row_get4(const ds4_u8* row, int kind, const RowFmt& f, int d) {
+    unsigned long long at = (unsigned long long)row;
+    const float* fr = (const float*)row;
+    if (kind == ROW_F32) {
+        if ((at & 15ull) == 0) return ((const float4*)row)[d / 4];
+        return make_float4(fr[d], fr[d + 1], fr[d + 2], fr[d + 3]);
+    }
+    int nope = f.D - f.nrot;
+    if ((nope & 3) == 0 && (at & 3ull) == 0) {
+        if (d >= nope) {
+            const float* t = (const float*)(row + kv_tail_at(f.D, f.nrot)) + (d - nope);
+            return make_float4(t[0], t[1], t[2], t[3]);
+        }
+        ds4_u32 c = *(const ds4_u32*)(row + d);
+        float sc = pow2_biased(row[nope + d / 64]);  // d .. d+3 share a 64-block
+        return make_float4(e4m3_value(c & 0xffu) * sc, e4m3_value((c >> 8) & 0xffu) * sc,
+                           e4m3_value((c >> 16) & 0xffu) * sc, e4m3_value(c >> 24) * sc);
+    }
+    RowFmt g = {ROW_KV, f.D, f.nrot};
+    return make_float4(row_get(row, g, d), row_get(row, g, d + 1), row_get(row, g, d + 2), row_get(row, g, d + 3));
 }
 
 // ---- attention split over keys (v3) -------------------------------------------
-// The same keys as step_attention, cut into fixed slices of AT3_SPLIT keys (z of the
-// grid's third dimension; the grid covers the most keys any lane can have). Block (tile,
-// lane, z) runs the online softmax over its slice and writes (m, den, acc) per head;
-// step_attention_combine merges a lane's slices in z order, then the sink. Slices
-// depend only on the lane's own key count, so a lane's result is the same alone or
-// among 16. A lone decode row now spreads over 8 x ceil(keys / 32) blocks instead of 8.
+// The lane's keys cut into fixed slices of AT3_SPLIT keys (z of the grid's third dimension;
+// the grid covers the most keys any lane can have). Block (head set, lane, z) runs the
+// online softmax over its slice for AT_HPB heads, AT_HPW a warp, and writes (m, den, acc)
+// per head; step_attention_combine merges a lane's slices in z order, then the sink.
+// Slices depend only on the lane's own key count, so a lane's result is the same alone or
+// among 16. Each key tile is decoded once into shared memory for all the block's heads
+// (where a key row is stored is worked out once per slice); a warp reads each key element
+// once for its AT_HPW heads. A head's operations are those of one head alone, in the same
+// order, so AT_HPW and the grid's head blocks change no bit (any gridDim.x is correct:
+// blocks stride over the head sets).
 #define AT3_SPLIT 32
 
 __device__ __forceinline__ int at_lane_keys(int s, int p, int W, const void* store, const int* nvis,
@@ -371,64 +418,89 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
                      int H, int D, int W, float scale, float* __restrict__ part_m,
                      float* __restrict__ part_den, float* __restrict__ part_acc) {
     __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
+    __shared__ const ds4_u8* krow[AT3_SPLIT];
+    __shared__ int kkind[AT3_SPLIT];
     KeySrc k = {pass_kv, ring, ring_stride, store, btab, sel, maxp, per, ksel, W, D, {kind, D, nrot}};
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int l = blockIdx.y, z = blockIdx.z, nz = gridDim.z;
-    int h = blockIdx.x * AT_WARPS + warp;
     int s = slot[l], p = pos[l];
     int lo, nraw;
     int total = at_lane_keys(s, p, W, store, nvis, sel, ksel, l, &lo, &nraw);
     int nbeg = z * AT3_SPLIT;
-    if (s < 0 || nbeg >= total) return;  // the combine reads only this lane's slices
+    // the combine reads only this lane's slices
+    if (s < 0 || nbeg >= total || (int)blockIdx.x * AT_HPB >= H) return;
     int nend = nbeg + AT3_SPLIT < total ? nbeg + AT3_SPLIT : total;
-    int nd = D / DS4_WARP;
-    bool active = h < H;
-    float qv[AT_DPL], acc[AT_DPL];
-#pragma unroll
-    for (int t = 0; t < AT_DPL; ++t) {
-        qv[t] = (active && t < nd) ? q[((long long)l * H + h) * D + lane + DS4_WARP * t] : 0.0f;
-        acc[t] = 0.0f;
+    int nd = D / DS4_WARP, g4 = D / 4;
+    if (threadIdx.x < nend - nbeg) {  // visible after the first tile's barrier
+        int kd;
+        krow[threadIdx.x] = key_row(k, l, s, lo, nraw, pstart[l], flane[l], nbeg + threadIdx.x, &kd);
+        kkind[threadIdx.x] = kd;
     }
-    float m = -DS4_INF, den = 0.0f;
-    int ps = pstart[l], fl = flane[l];
-    for (int n0 = nbeg; n0 < nend; n0 += AT_KT) {
-        int nk = nend - n0 < AT_KT ? nend - n0 : AT_KT;
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < nk * D; idx += blockDim.x) {
-            int rr = idx / D, dd = idx % D;
-            ks[rr * AT_DMAX + dd] = key_elem(k, l, s, lo, nraw, ps, fl, n0 + rr, dd);
+    for (int hb = blockIdx.x * AT_HPB; hb < H; hb += gridDim.x * AT_HPB) {
+        int h0 = hb + warp * AT_HPW;
+        bool active = h0 < H;  // heads past H in an active warp run on zeros and are not written
+        float qv[AT_HPW][AT_DPL], acc[AT_HPW][AT_DPL], m[AT_HPW], den[AT_HPW];
+#pragma unroll
+        for (int j = 0; j < AT_HPW; ++j) {
+#pragma unroll
+            for (int t = 0; t < AT_DPL; ++t) {
+                qv[j][t] = (h0 + j < H && t < nd) ? q[((long long)l * H + h0 + j) * D + lane + DS4_WARP * t] : 0.0f;
+                acc[j][t] = 0.0f;
+            }
+            m[j] = -DS4_INF;
+            den[j] = 0.0f;
         }
-        __syncthreads();
-        if (!active) continue;
-        for (int rr = 0; rr < nk; ++rr) {
-            const float* kr = ks + rr * AT_DMAX;
-            float part = 0.0f;
+        for (int n0 = nbeg; n0 < nend; n0 += AT_KT) {
+            int nk = nend - n0 < AT_KT ? nend - n0 : AT_KT;
+            __syncthreads();  // the previous tile is consumed
+            for (int idx = threadIdx.x; idx < nk * g4; idx += blockDim.x) {
+                int rr = idx / g4, c4 = idx - rr * g4;
+                *(float4*)(ks + rr * AT_DMAX + 4 * c4) =
+                    row_get4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4);
+            }
+            __syncthreads();
+            if (!active) continue;
+            for (int rr = 0; rr < nk; ++rr) {
+                const float* kr = ks + rr * AT_DMAX;
+                float part[AT_HPW];
 #pragma unroll
-            for (int t = 0; t < AT_DPL; ++t)
-                if (t < nd) part += qv[t] * kr[lane + DS4_WARP * t];
-            float sc = ds4_warp_sum(part) * scale;
-            if (sc > m) {
-                float c = ds4_exp(m - sc);  // 0 while m is -inf (acc and den are 0 then)
-                den = den * c + 1.0f;
+                for (int j = 0; j < AT_HPW; ++j) {
+                    part[j] = 0.0f;
 #pragma unroll
-                for (int t = 0; t < AT_DPL; ++t)
-                    if (t < nd) acc[t] = acc[t] * c + kr[lane + DS4_WARP * t];
-                m = sc;
-            } else {
-                float e = ds4_exp(sc - m);
-                den += e;
+                    for (int t = 0; t < AT_DPL; ++t)
+                        if (t < nd) part[j] += qv[j][t] * kr[lane + DS4_WARP * t];
+                }
 #pragma unroll
-                for (int t = 0; t < AT_DPL; ++t)
-                    if (t < nd) acc[t] += e * kr[lane + DS4_WARP * t];
+                for (int j = 0; j < AT_HPW; ++j) {
+                    float sc = ds4_warp_sum(part[j]) * scale;
+                    if (sc > m[j]) {
+                        float c = ds4_exp(m[j] - sc);  // 0 while m is -inf (acc and den are 0 then)
+                        den[j] = den[j] * c + 1.0f;
+#pragma unroll
+                        for (int t = 0; t < AT_DPL; ++t)
+                            if (t < nd) acc[j][t] = acc[j][t] * c + kr[lane + DS4_WARP * t];
+                        m[j] = sc;
+                    } else {
+                        float e = ds4_exp(sc - m[j]);
+                        den[j] += e;
+#pragma unroll
+                        for (int t = 0; t < AT_DPL; ++t)
+                            if (t < nd) acc[j][t] += e * kr[lane + DS4_WARP * t];
+                    }
+                }
             }
         }
-    }
-    if (!active) return;
-    long long pi = ((long long)l * H + h) * nz + z;
-    if (lane == 0) { part_m[pi] = m; part_den[pi] = den; }
+        if (!active) continue;
 #pragma unroll
-    for (int t = 0; t < AT_DPL; ++t)
-        if (t < nd) part_acc[pi * D + lane + DS4_WARP * t] = acc[t];
+        for (int j = 0; j < AT_HPW; ++j) {
+            if (h0 + j >= H) break;
+            long long pi = ((long long)l * H + h0 + j) * nz + z;
+            if (lane == 0) { part_m[pi] = m[j]; part_den[pi] = den[j]; }
+#pragma unroll
+            for (int t = 0; t < AT_DPL; ++t)
+                if (t < nd) part_acc[pi * D + lane + DS4_WARP * t] = acc[j][t];
+        }
+    }
 }
 
 // Block (head, lane), threads over dims: the lane's slices in z order, then the sink.
