@@ -412,17 +412,14 @@ __device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, in
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
-    } else if (WT == WT_Q2_K) {
-        const ds4_u8* blk = rp + (long long)(b / 8) * 84;
-        int j = b % 8;
-        const ds4_u32* qs = (const ds4_u32*)(blk + 16 + 32 * (j / 4));
-        int sh = 2 * (j % 4);
-        q.c[0] = (int)((qs[t] >> sh) & 0x03030303u);
-        q.c[4] = (int)((qs[4 + t] >> sh) & 0x03030303u);
-        ds4_u32 sc0 = blk[2 * j], sc1 = blk[2 * j + 1];
-        q.mul0 = (int)(sc0 & 15u); q.mn0 = (int)(sc0 >> 4);
-        q.mul1 = (int)(sc1 & 15u); q.mn1 = (int)(sc1 >> 4);
-        ds4_u32 dd = *(const ds4_u32*)(blk + 80);
+    } else if (WT == WT_Q2_K) {  // the repacked row of qb_load: word k is byte lanes of cw >> 2(k % 4)
+        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
+        q.c[0] = (int)((cw.x >> (2 * t)) & 0x03030303u);
+        q.c[4] = (int)((cw.y >> (2 * t)) & 0x03030303u);
+        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];
+        q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
+        q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
+        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
         q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
         q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
     } else {
