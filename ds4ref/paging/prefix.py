@@ -19,7 +19,7 @@ and a snapshot at its last fed position, registered under the key of its full pa
 tail's tokens. A newcomer whose tokens continue those full pages with the tail's tokens (and
 at least one more) maps the full pages, has the backend copy the tail page into a fresh page
 of its own (it writes the rest of that page itself), loads the tail's snapshot and feeds the
-rest. The tail page itself is never mapped, so it is always idle.
+rest. The tail page itself is never mapped, so it is idle but while a newcomer copies it.
 
 Pages no sequence maps stay cached until the pool needs them: the pool evicts the least
 recently used one (the deepest first among equals), and a page's snapshot goes with it.
