@@ -4,7 +4,7 @@
 # benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
 # files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill (default:
+# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix (default:
 # all but fresh). Logs and tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +111,15 @@ if has fullprefill; then
   timeout ${FULLPREFILL_TIMEOUT:-420} python3 benchmarks/prefill_gpu.py --full --prompts 4096,32768 --itl-prompt 0 \
     --out "$OUT/perf_prefill_full_gpu.md" --json "$OUT/perf_prefill_full_gpu.json" ${FULLPREFILL_ARGS:-} 2>&1 \
     | tee "$OUT/prefill_full.log" || rc=1
+fi
+if has prefix; then
+  # a next chat turn (+200 tokens) on a 16k and a 4k history, cache on and off: TTFT and equal bits.
+  # Device time: about 2 prefills of each history per model (PREFIX_HISTORY=4096 for a cheap run).
+  stage "prefix cache: TTFT of a next turn on the 8-layer model and on Flash (43 layers, q2 policy)"
+  timeout ${PREFIX_TIMEOUT:-150} python3 benchmarks/prefix_gpu.py --history ${PREFIX_HISTORY:-16384,4096} \
+    --out "$OUT/perf_prefix_gpu.md" --json "$OUT/perf_prefix_gpu.json" 2>&1 | tee "$OUT/prefix.log" || rc=1
+  timeout ${FULLPREFIX_TIMEOUT:-360} python3 benchmarks/prefix_gpu.py --full --history ${PREFIX_HISTORY:-16384,4096} \
+    --out "$OUT/perf_prefix_full_gpu.md" --json "$OUT/perf_prefix_full_gpu.json" 2>&1 | tee "$OUT/prefix_full.log" || rc=1
 fi
 stage "done rc=$rc"
 exit $rc

@@ -157,6 +157,11 @@ class Backend(Protocol):
     def drop_state(self, snapshot: int) -> None:
         """Free a snapshot."""
 
+    # The prefix cache's tails (partial last pages) need this one too.
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page dst's rows (every layer and kind) become page src's; dst is mapped by no slot
+        yet (load_state maps it next, as it is)."""
+
     # Speculative decoding (docs/scheduler.md) needs these two and an MTP block; a backend
     # without them serves without speculation.
     def restore_state(self, slot: int, snapshot: int) -> None:

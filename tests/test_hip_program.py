@@ -211,3 +211,55 @@ def test_configure_counts_the_prompt_pass_workspace(rt):
     with pytest.raises(DeviceMemoryError, match="256-row pass"):
         backend.configure(4, 64)
     assert rt.allocated == before
+
+
+class ArenaRuntime:
+    """Host bytes behind device pointers: allocation k lives at k << 32, so a view's pointer
+    names its allocation and offset. Copies and fills really happen."""
+
+    def __init__(self):
+        self.mem: dict[int, np.ndarray] = {}
+
+    def malloc(self, n):
+        k = len(self.mem) + 1
+        self.mem[k] = np.zeros(n, np.uint8)
+        return DeviceBuffer(self, k << 32, n)
+
+    def bytes(self, buf):
+        off = buf.ptr & 0xFFFFFFFF
+        return self.mem[buf.ptr >> 32][off:off + buf.nbytes]
+
+    def memset32(self, buf, value, n):
+        self.bytes(buf)[:4 * n].view(np.uint32)[:] = value
+
+    def h2d(self, buf, arr):
+        raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        self.bytes(buf)[:raw.size] = raw
+
+    def d2d(self, dst, src, n):
+        self.bytes(dst)[:n] = self.bytes(src)[:n]
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_copy_page_copies_one_page_of_every_store(compact):
+    """The prefix cache's tail copy: page dst of every page store becomes page src's, bit for
+    bit, and no other byte moves."""
+    cfg = tiny_config()
+    rt = ArenaRuntime()
+    st = DeviceState(rt, cfg, 2, 6, 128, sorted({r for r in cfg.compress_ratios if r}), compact=compact)
+    rng = np.random.default_rng(0)
+    for buf in st.pages.values():
+        rt.bytes(buf)[:] = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
+    before = {k: rt.bytes(b).copy().reshape(6, -1) for k, b in st.pages.items()}
+    st.copy_page(1, 4)
+    for k, b in st.pages.items():
+        after = rt.bytes(b).reshape(6, -1)
+        want = before[k].copy()
+        want[4] = want[1]
+        assert after.shape[1] == st.layout.rows_per_page(cfg.compress_ratios[k[0]]) * st.row_bytes[k[1]]
+        np.testing.assert_array_equal(after, want)
+    with pytest.raises(ValueError):
+        st.copy_page(2, 6)

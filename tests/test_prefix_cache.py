@@ -4,8 +4,9 @@ gets the tokens, logprobs and finish of the same request computed from token 0.
 * Over HashBackend (whose tokens depend on each sequence's whole history, read back through
   its pages, and whose snapshot state is checked against those pages on every row): random
   conversations with shared prefixes of random lengths, random arrivals and cancellations,
-  pools small enough to evict and to preempt. Every request gets its solo continuation and
-  the pool and cache balance.
+  pools small enough to evict and to preempt, then next turns that resend a first turn's
+  prompt and output (resuming from its partial last page, a tail). Every request gets its
+  solo continuation, and the pool, the cache and the backend's snapshots balance.
 * Over the NumPy reference (the embedded tiny model, both numerics): multi-turn
   conversations whose history runs past several compression windows of both ratios and the
   indexer's top-k, greedy and seeded sampling with logprobs, served with the cache and by a
@@ -44,16 +45,22 @@ conversations = st.integers(2, 8).flatmap(lambda n: st.tuples(
     st.integers(0, 100)))                                                      # page order seed
 
 
-@settings(max_examples=40, deadline=None)
-@given(conversations)
-def test_shared_prefixes_give_every_request_its_solo_tokens(c):
-    root_seed, specs, arrive, cancel, conc, pool_tokens, every, order = c
-    root = history(root_seed, 600)
-    reqs = [Request(root[:k] + history(root_seed + 1 + i, own), m, ignore_eos=ign)
-            for i, (k, own, m, ign) in enumerate(specs)]
-    eng = Engine(toy_model(), max_concurrency=conc, kv_pool_tokens=pool_tokens, backend="hash",
-                 page_order_seed=order)
-    eng.seq_engine.snapshot_every = every
+next_turns = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.one_of(st.none(), st.integers(0, 60))),
+                      min_size=1, max_size=8)  # per first turn: its new tokens, arrival, cancel pass
+
+
+def check_no_leak(eng: Engine):
+    """The books balance, every snapshot the backend holds is the cache's, and dropping the
+    idle cache gives every page and snapshot back."""
+    check_balanced(eng)
+    se = eng.seq_engine
+    assert len(se.backend.snapshots) == se.cache.snapshots
+    se.cache.clear()
+    se.pool.check(), se.cache.check()
+    assert se.pool.used_pages == 0 and not se.backend.snapshots and se.cache.pages == 0
+
+
+def run_checked(eng: Engine, reqs, arrive, cancel):
     outs = eng.run(reqs, arrivals=dict(enumerate(arrive)),
                    cancel_at={i: at for i, at in enumerate(cancel) if at is not None})
     for r, out, fin in zip(reqs, outs, eng.finishes):
@@ -63,8 +70,37 @@ def test_shared_prefixes_give_every_request_its_solo_tokens(c):
             assert out == want[:len(out)]
         else:
             assert (out, fin.reason) == (want, why)
-        assert fin.cached_tokens % T == 0 and fin.cached_tokens < len(r.prompt_ids)
-    check_balanced(eng)
+        assert fin.cached_tokens < len(r.prompt_ids)
+    return outs, list(eng.finishes)
+
+
+def test_shared_prefixes_and_next_turns_give_every_request_its_solo_tokens():
+    tail_hits = []
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(conversations, next_turns)
+    def prop(c, nxt):
+        root_seed, specs, arrive, cancel, conc, pool_tokens, every, order = c
+        root = history(root_seed, 600)
+        reqs = [Request(root[:k] + history(root_seed + 1 + i, own), m, ignore_eos=ign)
+                for i, (k, own, m, ign) in enumerate(specs)]
+        eng = Engine(toy_model(), max_concurrency=conc, kv_pool_tokens=pool_tokens, backend="hash",
+                     page_order_seed=order)
+        eng.seq_engine.snapshot_every = every
+        outs, fins = run_checked(eng, reqs, arrive, cancel)
+        check_balanced(eng)
+        # next turns: a chat resends the prompt, the reply and its end of turn (the stop token
+        # that was generated but never fed), then new tokens
+        again = [Request(r.prompt_ids + out + ([EOS] if f.reason == "stop" else []) + history(20_000 + root_seed + i, n),
+                         m, ignore_eos=ign)
+                 for i, ((n, _, _), r, out, f, (_, _, m, ign)) in enumerate(zip(nxt, reqs, outs, fins, specs))]
+        first_hits = eng.seq_engine.stats()["prefix_tail_hits"]
+        run_checked(eng, again, [a for _, a, _ in nxt[:len(again)]], [c for _, _, c in nxt[:len(again)]])
+        tail_hits.append(eng.seq_engine.stats()["prefix_tail_hits"] - first_hits)
+        check_no_leak(eng)
+
+    prop()
+    assert sum(h > 0 for h in tail_hits) >= len(tail_hits) // 4, f"tails rarely hit: {tail_hits}"
 
 
 def test_a_second_turn_resumes_at_the_deepest_snapshot():
@@ -77,11 +113,27 @@ def test_a_second_turn_resumes_at_the_deepest_snapshot():
     second = Request(first.prompt_ids + out1 + history(2, 50), 10, ignore_eos=True)
     out2 = eng.run([second])[0]
     assert out2 == reference_tokens(second.prompt_ids, 10, VOCAB)
-    # turn 1 fed 300 + 99 positions: pages 0..2 are full, and decoding snapshotted at 384
-    assert eng.finishes[0].cached_tokens == 3 * T
+    # turn 1 fed 300 + 99 positions: pages 0..2 are full, and its partial page 3 is a tail
+    assert eng.finishes[0].cached_tokens == 399
     st_ = eng.seq_engine.stats()
-    assert st_["prefix_hits"] == 1 and st_["prefix_misses"] == 1 and st_["prefix_cached_tokens"] == 3 * T
-    check_balanced(eng)
+    assert st_["prefix_hits"] == 1 and st_["prefix_misses"] == 1 and st_["prefix_cached_tokens"] == 399
+    assert st_["prefix_tail_hits"] == 1 and st_["prefix_tails"] == 2  # turn 2 left its own
+    # a prompt that leaves no token after the tail, or leaves the tail's tokens, resumes at page 3's start
+    for tokens in (first.prompt_ids + out1[:-1], first.prompt_ids + out1[:90] + [0]):
+        eng.run([Request(tokens, 3, ignore_eos=True)])
+        assert eng.finishes[0].cached_tokens == 3 * T
+    assert eng.seq_engine.stats()["prefix_tail_hits"] == 1
+    check_no_leak(eng)
+
+
+def test_tails_are_held_to_the_snapshot_budget():
+    eng = Engine(toy_model(), max_concurrency=1, backend="hash")
+    eng.seq_engine.cache.max_snapshots = 3
+    for i in range(6):
+        eng.run([Request(history(20 + i, 50), 5, ignore_eos=True)])
+    cache = eng.seq_engine.cache
+    assert cache.tails == cache.snapshots == cache.pages == 3
+    check_no_leak(eng)
 
 
 def test_idle_cached_pages_are_evicted_least_recent_first_and_never_while_mapped():
@@ -89,14 +141,14 @@ def test_idle_cached_pages_are_evicted_least_recent_first_and_never_while_mapped
     cache = eng.seq_engine.cache
     a = Request(history(3, 3 * T + 5), 2, ignore_eos=True)
     eng.run([a])
-    assert cache.pages == 3
+    assert cache.pages == 4 and cache.tails == 1  # 3 full pages, and the partial one as a tail
     b = Request(history(4, 5 * T + 5), 2, ignore_eos=True)  # needs 6 pages: evicts a's
     assert eng.run([b])[0] == reference_tokens(b.prompt_ids, 2, VOCAB)
     assert eng.seq_engine.stats()["prefix_evictions"] >= 1
     again = Request(b.prompt_ids[:5 * T] + [5, 6], 2, ignore_eos=True)  # b's pages are the newest
     assert eng.run([again])[0] == reference_tokens(again.prompt_ids, 2, VOCAB)
     assert eng.finishes[0].cached_tokens == 5 * T
-    check_balanced(eng)
+    check_no_leak(eng)
 
 
 def test_no_prefix_cache_keeps_no_pages():
@@ -141,12 +193,13 @@ def test_cached_turns_equal_computing_from_scratch(tiny, seed, first, turn, samp
     V = tiny.config.vocab_size
     cached = Engine(tiny, max_concurrency=2)
     cached.seq_engine.snapshot_every = every
-    prompt = history(seed, first, V)
+    prompt, fed = history(seed, first, V), 0
     for t in range(3):
         req = lambda: Request(list(prompt), 24, sampling=SAMPLINGS[sampling], ignore_eos=True)  # noqa: E731
         got = run_events(cached, [req()])[0]
         hit = cached.finishes[0].cached_tokens
-        assert (hit > 0) == (t > 0), (t, hit)  # every later turn resumes past its first page
+        assert hit == fed, (t, hit, fed)  # every later turn resumes where the last one stopped feeding
+        fed = len(prompt) + 24 - 1
         want = run_events(Engine(tiny, max_concurrency=2, prefix_cache=False), [req()])[0]
         assert got == want, f"turn {t}: the cached run's bits differ from the run from scratch"
         prompt = prompt + got[0] + history(seed + 1 + t, turn, V)
@@ -180,3 +233,21 @@ def test_concurrent_sharers_under_page_pressure_equal_their_solo_bits(tiny, seed
         if eng.finishes[i].reason != "cancelled":
             assert n == 40
     check_balanced(eng)
+
+
+def test_the_gpu_benchmark_runs_on_the_tiny_model(tmp_path):
+    """benchmarks/prefix_gpu.py, as the H200 runs it but on the NumPy backend: turn 2 resumes
+    where turn 1 stopped feeding and its logits equal the uncached run's."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_gpu.py"
+    spec = importlib.util.spec_from_file_location("prefix_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "prefix.md"
+    assert bench.main(["--tiny", "--history", "200", "--turn", "20", "--reply", "4", "--out", str(out),
+                       "--json", str(tmp_path / "prefix.json")]) == 0
+    run, = json.loads((tmp_path / "prefix.json").read_text())["runs"]
+    assert run["bitwise"] and run["cached"] == 203 and run["recomputed"] == 1 + 1 + 20 and run["tail_hits"] == 1
+    assert "| 200 | 225 | 203 | 22 |" in out.read_text()

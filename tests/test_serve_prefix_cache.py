@@ -99,7 +99,7 @@ def test_a_stop_string_answer_still_reports_its_cached_tokens(servers):
     assert cached.wait_idle(5)
 
 
-def test_metrics_count_hits_misses_and_cached_pages(servers):
+def test_metrics_count_hits_misses_cached_pages_and_tails(servers):
     cached, plain = servers
     post(cached, "/v1/completions", {"prompt": ids(PAGE + 5, 5), "max_tokens": 1})
     post(cached, "/v1/completions", {"prompt": ids(PAGE + 5, 5) + [7], "max_tokens": 1})
@@ -110,5 +110,7 @@ def test_metrics_count_hits_misses_and_cached_pages(servers):
     assert values["ds4_prefix_cache_cached_tokens_total"] >= PAGE
     assert values["ds4_prefix_cache_pages"] >= 1
     assert "ds4_prefix_cache_evictions_total" in values and values["ds4_prefix_cache_snapshots"] >= 1
+    # the first request fed its 133 prompt tokens and left page 1's 5 as a tail; the second continues it
+    assert values["ds4_prefix_cache_tails"] >= 1 and values["ds4_prefix_cache_tail_hits_total"] >= 1
     plain_text = httpx.get(plain.url + "/metrics").text
     assert "ds4_prefix_cache_hits_total 0" in plain_text

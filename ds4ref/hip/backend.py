@@ -169,6 +169,10 @@ class HipBackend:
         self.rt.bind_thread()
         self._need_state().drop_state(snapshot)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        self.rt.bind_thread()
+        self._need_state().copy_page(src, dst)
+
     def step(self, plan: StepPlan) -> StepResult:
         self.rt.bind_thread()
         st = self._need_state()

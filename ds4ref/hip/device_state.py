@@ -266,6 +266,15 @@ class DeviceState:
         self.rt.synchronize()  # a copy from it may still be queued
         copy.free()
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Device-to-device: page dst of every page store becomes page src's."""
+        from .ops import view
+        if not (0 <= src < self.n_pages and 0 <= dst < self.n_pages and src != dst):
+            raise ValueError(f"cannot copy page {src} to page {dst} of {self.n_pages}")
+        for (il, kind), buf in self.pages.items():
+            n = self.layout.rows_per_page(self.cfg.compress_ratios[il]) * self.row_bytes[kind]
+            self.rt.d2d(view(buf, dst * n, n), view(buf, src * n, n), n)
+
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self.check_slot(slot)
         table = np.asarray(pages, np.int64).reshape(-1)

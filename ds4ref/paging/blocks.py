@@ -134,8 +134,8 @@ class BlockManager:
     def release(self, slot: int) -> None:
         """Give slot's pages back: its own to the pool, the cached ones to the cache."""
         s = self._slots[slot]
-        cached = {h for h in s.table if self.cache is not None and self.cache.owns(h)}
-        self.pool.release(slot, [h for h in s.table if h not in cached])
-        for h in cached:
-            self.cache.unref(h)
+        cached = [h for h in s.table if self.cache is not None and self.cache.owns(h)]
+        self.pool.release(slot, [h for h in s.table if h not in set(cached)])
+        if cached:
+            self.cache.release(cached)
         del self._slots[slot]

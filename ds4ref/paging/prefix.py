@@ -14,8 +14,17 @@ the deepest matched boundary that has one. The resumed slot holds the very bits 
 sequence that made the pages held there, so every later logit is bitwise what computing
 the prompt from scratch gives (tests/test_prefix_cache.py).
 
+A sequence that ends mid-page leaves a **tail**: its last, partial page
+and a snapshot at its last fed position, registered under the key of its full pages and the
+tail's tokens. A newcomer whose tokens continue those full pages with the tail's tokens (and
+at least one more) maps the full pages, has the backend copy the tail page into a fresh page
+of its own (it writes the rest of that page itself), loads the tail's snapshot and feeds the
+rest. The tail page itself is never mapped, so it is idle but while a newcomer copies it.
+
 Pages no sequence maps stay cached until the pool needs them: the pool evicts the least
 recently used one (the deepest first among equals), and a page's snapshot goes with it.
+Tails are held to the same snapshot budget as pages: past it the least recently used
+snapshot goes, and a tail whose snapshot goes goes with it.
 """
 from __future__ import annotations
 
@@ -45,16 +54,27 @@ class CachedPage:
     refs: int = 0                    # live sequences mapping it
     snapshot: Optional[int] = None   # backend state at the page's end, if taken
     last_used: int = 0
+    parent: Optional[bytes] = None   # a tail's: the key of the full pages before it
+
+    @property
+    def is_tail(self) -> bool:
+        return self.parent is not None
 
 
 @dataclass(frozen=True)
 class Match:
-    pages: list[CachedPage]          # the prefix's pages, in order; empty on a miss
-    snapshot: Optional[int]          # the state at their end
+    pages: list[CachedPage]          # the prefix's full pages, in order; empty on a miss
+    snapshot: Optional[int]          # the state at their end (at the tail's end, with a tail)
+    tail: Optional[CachedPage] = None  # a partial page after them, copied into the newcomer's own
 
     @property
     def tokens(self) -> int:
-        return sum(len(p.tokens) for p in self.pages)
+        return sum(len(p.tokens) for p in self.pages) + (len(self.tail.tokens) if self.tail else 0)
+
+    @property
+    def held(self) -> list[CachedPage]:
+        """What the admission holds while it maps and copies: the pages and the tail."""
+        return self.pages + ([self.tail] if self.tail else [])
 
 
 class PrefixCache:
@@ -66,15 +86,17 @@ class PrefixCache:
         self.pool, self.drop_snapshot, self.max_snapshots = pool, drop_snapshot, max_snapshots
         self._pages: dict[bytes, CachedPage] = {}
         self._by_page: dict[int, CachedPage] = {}
+        self._tails: dict[bytes, list[CachedPage]] = {}  # parent key -> the tails after it
         self._idle = 0  # cached pages no sequence maps: what the pool may reclaim
         self._clock = 0
-        self.hits = self.misses = self.evictions = self.cached_tokens = 0
+        self.hits = self.misses = self.evictions = self.cached_tokens = self.tail_hits = 0
         pool.reclaimer = self
 
     # ---- lookup ----------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> Match:
-        """The longest run of cached pages the tokens start with that ends at a snapshot,
-        leaving at least one token to feed (its row yields the first new token)."""
+    def match(self, tokens: Sequence[int], tails: bool = True) -> Match:
+        """The deepest cached state the tokens start with, leaving at least one token to feed
+        (its row yields the first new token): a run of cached pages ending at a snapshot, or
+        such a run (maybe empty) followed by a tail."""
         T = self.pool.page_tokens
         chain, key = [], b""
         for i in range((len(tokens) - 1) // T):
@@ -84,15 +106,30 @@ class PrefixCache:
             if page is None or page.tokens != block:
                 break
             chain.append(page)
-        while chain and chain[-1].snapshot is None:
-            chain.pop()
-        return Match(chain, chain[-1].snapshot if chain else None)
+        for j in range(len(chain), -1, -1):  # a tail after j pages lies deeper than page j's end
+            tail = self._tail_after(chain[j - 1].key if j else b"", tokens, j * T) if tails else None
+            if tail is not None:
+                return Match(chain[:j], tail.snapshot, tail)
+            if j and chain[j - 1].snapshot is not None:
+                return Match(chain[:j], chain[j - 1].snapshot)
+        return Match([], None)
+
+    def _tail_after(self, parent: bytes, tokens: Sequence[int], start: int) -> Optional[CachedPage]:
+        """The longest tail after `parent` that tokens[start:] continue past its end."""
+        best = None
+        for t in self._tails.get(parent, ()):
+            n = len(t.tokens)
+            if len(tokens) - start > n and (best is None or n > len(best.tokens)) \
+                    and tuple(int(x) for x in tokens[start:start + n]) == t.tokens:
+                best = t
+        return best
 
     def record(self, match: Match) -> None:
         """Count an admission's match (a match that could not be admitted is not counted)."""
         self.hits += bool(match.pages)
         self.misses += not match.pages
         self.cached_tokens += match.tokens
+        self.tail_hits += match.tail is not None
 
     def acquire(self, pages: Sequence[CachedPage]) -> None:
         self._clock += 1
@@ -100,6 +137,14 @@ class PrefixCache:
             self._idle -= p.refs == 0
             p.refs += 1
             p.last_used = self._clock
+
+    def release(self, handles: Sequence[PageHandle]) -> None:
+        """A sequence ends: its cached pages are used as of now, all alike, so eviction takes
+        its deepest first (a tail before the pages it follows)."""
+        self._clock += 1
+        for h in handles:
+            self.unref(h)
+            self._by_handle(h).last_used = self._clock
 
     def unref(self, handle: PageHandle) -> None:
         page = self._by_handle(handle)
@@ -138,13 +183,46 @@ class PrefixCache:
         if page is None or page.snapshot is not None:
             return False
         page.snapshot = snapshot
-        older = [p for p in self._pages.values() if p.snapshot is not None and p is not page]
-        while len(older) >= self.max_snapshots:  # the new one stays
-            oldest = min(older, key=lambda p: (p.last_used, -p.index))
-            self.drop_snapshot(oldest.snapshot)
-            oldest.snapshot = None
-            older.remove(oldest)
+        self._bound_snapshots(page)
         return True
+
+    def has_tail(self, parent: bytes, tokens: Sequence[int]) -> bool:
+        block = tuple(int(t) for t in tokens)
+        return any(t.tokens == block for t in self._tails.get(parent, ()))
+
+    def register_tail(self, owner, handle: PageHandle, parent: bytes, index: int, tokens: Sequence[int],
+                      snapshot: int) -> bool:
+        """Page `handle` of `owner` holds the rows of `tokens` (fewer than a page, after the full
+        pages keyed `parent`) and `snapshot` the state after them: the cache takes both, owner
+        still mapping the page until it releases it. False (owner keeps both) when an equal
+        tail is cached already."""
+        block = tuple(int(t) for t in tokens)
+        if not 0 < len(block) < self.pool.page_tokens:
+            raise ValueError(f"a tail holds 1..{self.pool.page_tokens - 1} tokens, got {len(block)}")
+        if self.has_tail(parent, block):
+            return False
+        self.pool.transfer(handle, owner, CACHE_OWNER)
+        self._clock += 1
+        tail = CachedPage(handle, chain_key(parent, block), index, block, refs=1, snapshot=snapshot,
+                          last_used=self._clock, parent=parent)
+        self._pages[tail.key] = self._by_page[handle.page] = tail
+        self._tails.setdefault(parent, []).append(tail)
+        self._bound_snapshots(tail)
+        return True
+
+    def _bound_snapshots(self, keep: CachedPage) -> None:
+        """Drop the least recently used snapshots but `keep`'s past max_snapshots (an idle tail
+        goes whole: its page is no use without its state)."""
+        older = [p for p in self._pages.values()
+                 if p.snapshot is not None and p is not keep and not (p.is_tail and p.refs)]
+        while len(older) >= self.max_snapshots:
+            oldest = min(older, key=lambda p: (p.last_used, -p.index))
+            older.remove(oldest)
+            if oldest.is_tail:
+                self._drop(oldest)
+            else:
+                self.drop_snapshot(oldest.snapshot)
+                oldest.snapshot = None
 
     # ---- the pool's reclaimer ------------------------------------------------------------
     def evictable(self) -> int:
@@ -173,13 +251,18 @@ class PrefixCache:
     def snapshots(self) -> int:
         return sum(1 for p in self._pages.values() if p.snapshot is not None)
 
+    @property
+    def tails(self) -> int:
+        return sum(len(ts) for ts in self._tails.values())
+
     STATS = ("prefix_hits", "prefix_misses", "prefix_cached_tokens", "prefix_cached_pages", "prefix_evictions",
-             "prefix_snapshots")
+             "prefix_snapshots", "prefix_tails", "prefix_tail_hits")
 
     def stats(self) -> dict:
+        """prefix_cached_pages counts tails' pages too (every page the cache owns)."""
         return {"prefix_hits": self.hits, "prefix_misses": self.misses, "prefix_cached_tokens": self.cached_tokens,
                 "prefix_cached_pages": self.pages, "prefix_evictions": self.evictions,
-                "prefix_snapshots": self.snapshots}
+                "prefix_snapshots": self.snapshots, "prefix_tails": self.tails, "prefix_tail_hits": self.tail_hits}
 
     def check(self) -> None:
         """Assert the bookkeeping invariants (tests call it with the pool's)."""
@@ -189,10 +272,19 @@ class PrefixCache:
         assert sorted(self._by_page) == sorted(p.handle.page for p in self._pages.values()), "a page cached twice"
         assert self.snapshots <= self.max_snapshots
         assert self._idle == sum(1 for p in self._pages.values() if p.refs == 0)
+        tails = [t for ts in self._tails.values() for t in ts]
+        assert sorted(id(t) for t in tails) == sorted(id(p) for p in self._pages.values() if p.is_tail)
+        for t in tails:
+            assert t.snapshot is not None and 0 < len(t.tokens) < self.pool.page_tokens
+            assert t.key == chain_key(t.parent, t.tokens) and t in self._tails[t.parent]
 
     # ---- helpers ----------------------------------------------------------------------------
     def _drop(self, page: CachedPage) -> None:
         del self._pages[page.key], self._by_page[page.handle.page]
+        if page.is_tail:
+            self._tails[page.parent].remove(page)
+            if not self._tails[page.parent]:
+                del self._tails[page.parent]
         self._idle -= 1  # only idle pages are dropped
         if page.snapshot is not None:
             self.drop_snapshot(page.snapshot)

@@ -138,6 +138,12 @@ class NumpyBackend:
     def drop_state(self, snapshot: int) -> None:
         del self.snapshots[snapshot]
 
+    def copy_page(self, src: int, dst: int) -> None:
+        if not (0 <= src < self.n_pages and 0 <= dst < self.n_pages and src != dst):
+            raise ValueError(f"cannot copy page {src} to page {dst} of {self.n_pages}")
+        for store in self.pages.values():
+            store[dst] = store[src]
+
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self._check_slot(slot)
         table = np.asarray(pages, np.int64)

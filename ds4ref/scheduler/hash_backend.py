@@ -66,6 +66,12 @@ class HashBackend:
     def drop_state(self, snapshot: int) -> None:
         del self.snapshots[snapshot]
 
+    def copy_page(self, src: int, dst: int) -> None:
+        mapped = [slot for slot, t in enumerate(self.tables) if dst in t]
+        if mapped or src == dst:
+            raise ProtocolError(f"page {src} copied onto page {dst}, which slots {mapped} map")
+        self.memory[dst] = self.memory[src]
+
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         pages = [int(p) for p in pages]
         try:

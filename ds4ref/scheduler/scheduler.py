@@ -253,7 +253,7 @@ class Scheduler:
         return events
 
     def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
-        self.engine.retire(s.slot)
+        self.engine.retire(s.slot, cache_tail=reason != "error")
         self._running.pop(s.request.req_id, None)
         return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens)
 

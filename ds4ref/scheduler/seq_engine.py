@@ -21,7 +21,9 @@ boundary at or before its prompt's end, every `snapshot_every` pages of its prom
 every boundary it reaches while decoding. A newcomer (or a preempted sequence coming
 back) whose tokens start with cached pages ending at a snapshot takes those pages and
 that state, and feeds only the rest. Prompt chunks end at the snapshot boundaries
-(rows_to_snapshot), which changes no bit: chunking never does.
+(rows_to_snapshot), which changes no bit: chunking never does. A sequence that ends mid-page
+leaves its partial last page and its state there as a tail (a backend with copy_page): a
+newcomer resuming from it copies that page into a page of its own.
 """
 from __future__ import annotations
 
@@ -143,6 +145,7 @@ class SeqEngine:
         self.cache = (PrefixCache(self.pool, backend.drop_state, max_snapshots or SNAPSHOTS_PER_SLOT * max_concurrency)
                       if prefix_cache and snapshots else None)
         self.blocks = BlockManager(self.pool, max_concurrency, self.cache)
+        self.tails = self.cache is not None and hasattr(backend, "copy_page")
         self.seqs: dict[int, Seq] = {}
         self._admitted = 0
         backend.configure(max_concurrency, n_pages, page_tokens)
@@ -187,11 +190,11 @@ class SeqEngine:
         else:  # recompute everything it had: its prompt and the tokens it generated
             seq = Seq(request, -1, resume.order, resume.history(), resume.max_new, resume.sampler,
                       prompt_len=resume.prompt_len, cached_tokens=resume.cached_tokens)
-        match = self.cache.match(seq.prompt) if self.cache is not None else Match([], None)
+        match = self.cache.match(seq.prompt, self.tails) if self.cache is not None else Match([], None)
         if self.cache is not None:
-            self.cache.acquire(match.pages)  # mapped from now on: no longer the pool's to reclaim
+            self.cache.acquire(match.held)  # mapped (or copied) from now on: not the pool's to reclaim
         if not self.blocks.can_admit(len(seq.prompt), seq.lifetime, len(match.pages)):
-            for p in match.pages:
+            for p in match.held:
                 self.cache.unref(p.handle)
             return Admission("busy", reason="not enough free pages")
         if resume is None:
@@ -200,8 +203,12 @@ class SeqEngine:
         seq.slot = min(set(range(self.max_concurrency)) - set(self.seqs))
         self.backend.reset_slot(seq.slot)
         self.blocks.admit(seq.slot, len(seq.prompt), seq.lifetime, [p.handle for p in match.pages])
-        if match.pages:
-            self.backend.load_state(seq.slot, match.snapshot, [p.handle.page for p in match.pages])
+        if match.tail is not None:  # its own page, from its reservation, starts as the tail's copy
+            self.blocks.map(seq.slot, match.tokens)
+            self.backend.copy_page(match.tail.handle.page, self.blocks.table(seq.slot)[-1])
+            self.cache.unref(match.tail.handle)
+        if match.snapshot is not None:
+            self.backend.load_state(seq.slot, match.snapshot, self.blocks.table(seq.slot))
             seq.fed, seq.keys = match.tokens, [p.key for p in match.pages]
         if self.cache is not None:
             self.cache.record(match)
@@ -211,15 +218,36 @@ class SeqEngine:
     def preempt(self, slot: int) -> Seq:
         """Free slot and its pages; the returned Seq can be admitted again with resume=."""
         seq = self.seqs[slot]
-        self.retire(slot)
+        self.retire(slot)  # no tail: the sequence it makes room for takes its pages, deepest first
         return seq
 
-    def retire(self, slot: int) -> None:
+    def retire(self, slot: int, cache_tail: bool = False) -> None:
+        """Free slot and its pages; cache_tail: it ended with its state sound (not preempted, not
+        after a failed pass), so its partial last page may stay cached as a tail."""
         if slot not in self.seqs:
             raise KeyError(f"slot {slot} is not live")
-        del self.seqs[slot]
+        seq = self.seqs.pop(slot)
+        if cache_tail and self.tails:
+            self._cache_tail(seq)
         self.blocks.release(slot)
         self.backend.reset_slot(slot)
+
+    def _cache_tail(self, s: Seq) -> None:
+        """Hand s's partial last page and its state after its last fed position to the cache."""
+        T = self.pool.page_tokens
+        j, n = divmod(s.fed, T)
+        if not n:  # at a boundary the page snapshots cover it
+            return
+        parent, tokens = s.keys[j - 1] if j else b"", s.history()[j * T:s.fed]
+        if self.cache.has_tail(parent, tokens):
+            return
+        try:
+            snapshot = self.backend.save_state(s.slot)
+        except MemoryError as exc:
+            log.warning("prefix cache: no tail snapshot at position %d of slot %d: %s", s.fed, s.slot, exc)
+            return
+        if not self.cache.register_tail(s.slot, self.blocks.handles(s.slot)[j], parent, j, tokens, snapshot):
+            self.backend.drop_state(snapshot)
 
     # ---- planning helpers ----------------------------------------------------------
     def live(self) -> list[Seq]:

@@ -78,6 +78,7 @@ GAUGES = {
     "pages_free": ("kv_pages_free", "KV pool pages free."),
     "prefix_cached_pages": ("prefix_cache_pages", "KV pool pages the prefix cache holds (shared or evictable)."),
     "prefix_snapshots": ("prefix_cache_snapshots", "Snapshots of a lane's unpaged state the prefix cache holds."),
+    "prefix_tails": ("prefix_cache_tails", "Partial last pages (with their snapshots) the prefix cache holds."),
 }
 
 
@@ -88,6 +89,7 @@ STAT_COUNTERS = {
     "prefix_misses": ("prefix_cache_misses_total", "Admissions that found no cached prefix."),
     "prefix_cached_tokens": ("prefix_cache_cached_tokens_total", "Prompt tokens served from the prefix cache."),
     "prefix_evictions": ("prefix_cache_evictions_total", "Cached prefix pages evicted to make room."),
+    "prefix_tail_hits": ("prefix_cache_tail_hits_total", "Admissions that resumed from a cached partial page."),
 }
 
 

@@ -405,3 +405,4 @@ def test_prefix_cache_turns_equal_numpy_from_scratch(model, rt):
         assert got == want, f"turn {turn}"
         prompt = prompt + got[0] + rng.integers(2, V, 150).tolist()
     assert cached.seq_engine.stats()["prefix_hits"] == 2
+    assert cached.seq_engine.stats()["prefix_tail_hits"] == 2  # each turn ended mid-page: copy_page on the device
