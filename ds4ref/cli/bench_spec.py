@@ -112,8 +112,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.synthetic:
         model, backend = synthetic(args.synthetic), "hip"
     else:
-        import ds4ref
-        model, backend = ds4ref.load(args.model, backend=args.backend, mtp=args.mtp), args.backend
+        from ..model import load
+        model, backend = load(args.model, backend=args.backend, mtp=args.mtp), args.backend
     drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + (["mtp"] if model.mtp is not None else [])
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
