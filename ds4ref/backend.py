@@ -114,9 +114,12 @@ class DraftRequest:
     exactly as if they had come one at a time. Then k - 1 further single-row MTP steps follow
     from its own output streams and each draft, at positions[-1] + 1, + 2, ...
 
-    The MTP block's window entry at a position is thereby always the one computed from the
-    main model's streams there once that position is fed again: a later request starting at
-    positions[0] overwrites what speculative steps wrote, so the MTP state needs no rollback.
+    The chained steps must leave the MTP state as the fed rows left it (run them on a copy of
+    the window, or put back the rows they overwrite): the window is a ring one window long, so
+    a chained step at q + i overwrites the row of q + i - W, which the next fed positions still
+    read. The MTP state is then always the one computed from the main model's streams, and
+    restore_state leaves it alone (the engine never feeds a position to the MTP block twice).
+    load_state starts it over (the engine feeds from the snapshot's position on).
     k = 0 only feeds the state (intermediate prompt chunks)."""
     slot: int
     positions: tuple[int, ...]

@@ -53,7 +53,7 @@ class DS4Model:
         name = name or self.backend_name
         if name == "numpy":
             from .reference.numpy_backend import NumpyBackend
-            return NumpyBackend(self.reference)
+            return NumpyBackend(self.reference, mtp=self.mtp)
         if name == "hip":
             from .hip.backend import HipBackend
             if self._device is not None:  # weights are on the device already: share them

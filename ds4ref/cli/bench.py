@@ -12,6 +12,9 @@ every request runs to max_tokens). Reported per level:
 With --turns N it replays multi-turn chats instead (ds4ref/cli/bench_turns.py): TTFT
 and the server's cached prompt tokens per turn; --compare-prefix-cache starts two
 servers itself, with the prefix cache and without, and prints both side by side.
+
+With --speculative-tokens K it measures speculative decoding in process instead
+(ds4ref/cli/bench_spec.py): speed-up against acceptance with controlled drafts.
 """
 from __future__ import annotations
 
@@ -184,6 +187,10 @@ def at_least_one(text: str) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--speculative-tokens") for a in argv):  # in process, no server: bench_spec.py
+        from .bench_spec import main as spec_main
+        return spec_main(argv)
     p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL, with or without /v1")

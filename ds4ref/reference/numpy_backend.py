@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_block_table, check_rows
+from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
+                       check_rows)
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
@@ -56,8 +57,9 @@ class PagedSeqView:
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model, max_pass_rows: int = PREFILL_ROWS) -> None:
-        self.model, self.cfg, self.dtype = model, model.config, model.dtype
+    def __init__(self, model, max_pass_rows: int = PREFILL_ROWS, mtp=None) -> None:
+        """mtp: the model's MTP block (reference/mtp.py), for draft(); None: no drafts."""
+        self.model, self.cfg, self.dtype, self.mtp = model, model.config, model.dtype, mtp
         self.max_pass_rows = max_pass_rows
         self.storage = kv_storage("numpy", model.numerics, self.dtype)  # how KV / indexer rows are held
         self.layout: PageLayout | None = None
@@ -80,6 +82,8 @@ class NumpyBackend:
         self.next_pos = np.zeros(n_slots, np.int64)
         self.snapshots: dict[int, tuple] = {}  # id -> (ring, compressors, position)
         self._next_snapshot = 0
+        self.mtp_states = [self.mtp.new_state() for _ in range(n_slots)] if self.mtp is not None else []
+        self.hidden: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (first position, final streams) of the last pass
 
     # ---- stored rows: the working float, or compact bytes (ds4ref.paging.compact) ------
     @property
@@ -112,6 +116,8 @@ class NumpyBackend:
             c.reset()
         self.block_tables[slot] = np.zeros(0, np.int64)  # its pages are zeroed when mapped again
         self.next_pos[slot] = 0
+        if self.mtp_states:
+            self.mtp_states[slot] = self.mtp.new_state()
 
     # ---- snapshots (the prefix cache) ---------------------------------------------
     def save_state(self, slot: int) -> int:
@@ -144,6 +150,51 @@ class NumpyBackend:
         for store in self.pages.values():
             store[dst] = store[src]
 
+    # ---- speculative decoding ---------------------------------------------------------
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        self._check_slot(slot)
+        ring, comps, position = self.snapshots[snapshot]
+        if position > self.next_pos[slot]:
+            raise ValueError(f"slot {slot}: snapshot at {position} is ahead of the slot's state at "
+                             f"{int(self.next_pos[slot])}")
+        self.rings[slot] = ring
+        self.comps[slot] = {k: copy.deepcopy(c) for k, c in comps.items()}
+        self.next_pos[slot] = position
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
+        """The MTP block over each request's rows (all requests' rows in one MTP pass), then
+        k - 1 chained steps per request. The chained steps overwrite MTP window entries that
+        later positions still read (the ring is one window long), so they run on a copy."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block: no drafts (load one with ds4ref.load(mtp=...))")
+        states, hidden, tokens, positions = [], [], [], []
+        for r in requests:
+            first, streams = self.hidden.get(r.slot, (0, np.zeros((0,))))
+            idx = np.asarray(r.positions, np.int64) - first
+            if idx.size == 0 or idx.min() < 0 or idx.max() >= len(streams):
+                raise ValueError(f"slot {r.slot}: positions {r.positions} were not rows of the last pass")
+            states += [self.mtp_states[r.slot]] * idx.size
+            hidden.append(streams[idx])
+            tokens += list(r.next_tokens)
+            positions += list(r.positions)
+        if not requests:
+            return []
+        logits, out = self.mtp.rows(states, np.concatenate(hidden), tokens, positions)
+        drafts, ends = [], np.cumsum([len(r.positions) for r in requests]) - 1
+        for r, e in zip(requests, ends):
+            d = []
+            if r.k:
+                st = self.mtp_states[r.slot]
+                kept = st.save()
+                lg, h = logits[e], out[e]
+                for i in range(r.k):
+                    d.append(int(np.argmax(lg)))
+                    if i + 1 < r.k:
+                        lg, h = self.mtp.step(st, h, d[-1], r.positions[-1] + 1 + i)
+                st.load(kept)
+            drafts.append(np.asarray(d, np.int32))
+        return drafts
+
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self._check_slot(slot)
         table = np.asarray(pages, np.int64)
@@ -158,7 +209,14 @@ class NumpyBackend:
         emit = np.array([r.emit for r in rows], bool)
         views = {r.slot: PagedSeqView(self, r.slot) for r in rows}  # one per slot: a slot's rows share it
         out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
-                                   [r.position for r in rows], emit)
+                                   [r.position for r in rows], emit, hidden=self.mtp is not None)
+        if self.mtp is not None:
+            out, streams = out
+            self.hidden = {}
+            for i, r in enumerate(rows):
+                if r.slot not in self.hidden:
+                    n = sum(1 for q in rows if q.slot == r.slot)
+                    self.hidden[r.slot] = (r.position, streams[i:i + n])
         for r in rows:
             self.next_pos[r.slot] += 1
         argmax = np.full(len(rows), -1, np.int32)

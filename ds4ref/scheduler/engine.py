@@ -24,17 +24,21 @@ class Engine:
     def __init__(self, model, max_concurrency: int = 16, kv_pool_tokens: Optional[int] = None,
                  prompt_quantum: Optional[int] = None, backend=None, *, max_context: Optional[int] = None,
                  max_queue: Optional[int] = None, page_order_seed: Optional[int] = None,
-                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True):
+                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True, speculative_tokens: int = 0,
+                 drafter=None, spec_min_rate: Optional[float] = None):
         """model: what ds4ref.load() returns (.config, .make_backend(name)).
         backend: None for the model's own backend (numpy unless loaded for hip), a name
         for model.make_backend, or a Backend instance. prompt_quantum, max_batched_rows:
-        the Scheduler's (None: the backend's whole pass)."""
+        the Scheduler's (None: the backend's whole pass). speculative_tokens, drafter,
+        spec_min_rate: speculative decoding's (SeqEngine; 0 drafts: off)."""
         if backend is None or isinstance(backend, str):
             backend = model.make_backend(backend)
         self.model = model
         self.seq_engine = SeqEngine(backend, model.config, max_concurrency, kv_pool_tokens,
                                     max_context=max_context, page_order_seed=page_order_seed,
-                                    prefix_cache=prefix_cache)
+                                    prefix_cache=prefix_cache, speculative_tokens=speculative_tokens,
+                                    drafter=drafter,
+                                    **({} if spec_min_rate is None else {"spec_min_rate": spec_min_rate}))
         self.scheduler = Scheduler(self.seq_engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
                                    max_batched_rows=max_batched_rows)
         self.events: list[Event] = []                 # everything the last run() saw

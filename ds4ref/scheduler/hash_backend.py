@@ -14,6 +14,12 @@ Like a real backend it keeps state outside the pages (`carry`, the CRC of the sl
 tokens so far, standing in for the raw window and the compressors): snapshots save and
 load it, and every row checks it against the history read through the pages, so a
 snapshot loaded over the wrong pages trips an assertion.
+
+Drafts (speculative decoding) stand in for the MTP block's: the greedy continuation of the
+history, each token replaced by the next id when a hash of its history falls outside
+`draft_accuracy` percent, so tests choose the acceptance. `draft` checks its requests as the
+protocol states them: each slot's positions continue where its drafter stopped and were rows of
+the last pass, the tokens after them are that history's.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_block_table, check_rows
+from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
+                       check_rows)
 
 
 class ProtocolError(AssertionError):
@@ -32,8 +39,8 @@ class ProtocolError(AssertionError):
 class HashBackend:
     name = "hash"
 
-    def __init__(self, vocab_size: int = 32, max_pass_rows: int = PREFILL_ROWS):
-        self.vocab_size, self.max_pass_rows = vocab_size, max_pass_rows
+    def __init__(self, vocab_size: int = 32, max_pass_rows: int = PREFILL_ROWS, draft_accuracy: int = 70):
+        self.vocab_size, self.max_pass_rows, self.draft_accuracy = vocab_size, max_pass_rows, draft_accuracy
         self.passes: list[StepPlan] = []  # every plan seen, for tests to inspect
 
     def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
@@ -44,11 +51,14 @@ class HashBackend:
         self.carry = [0] * n_slots   # CRC of each slot's tokens so far
         self.snapshots: dict[int, tuple[int, int]] = {}  # id -> (length, carry)
         self._next_snapshot = 0
+        self.drafted = [0] * n_slots  # positions fed to the drafter per slot
+        self.last_rows: dict[int, range] = {}  # positions each slot ran in the last pass
 
     def reset_slot(self, slot: int) -> None:
         self.tables[slot] = []
         self.length[slot] = 0
         self.carry[slot] = 0
+        self.drafted[slot] = 0
 
     def save_state(self, slot: int) -> int:
         self._next_snapshot += 1
@@ -62,6 +72,41 @@ class HashBackend:
         self.tables[slot] = [int(p) for p in pages]
         if self._crc(self.history(slot)) != self.carry[slot]:
             raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
+        self.drafted[slot] = self.length[slot]
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        length, carry = self.snapshots[snapshot]
+        if length > self.length[slot]:
+            raise ProtocolError(f"slot {slot} restores a snapshot at {length}, ahead of its state at "
+                                f"{self.length[slot]}")
+        self.length[slot], self.carry[slot] = length, carry
+        if self._crc(self.history(slot)) != carry:
+            raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
+        out = []
+        for r in requests:
+            ran = self.last_rows.get(r.slot, range(0))
+            if not r.positions or list(r.positions) != list(range(r.positions[0], r.positions[-1] + 1)) \
+                    or r.positions[0] != self.drafted[r.slot] or r.positions[0] not in ran \
+                    or r.positions[-1] not in ran or len(r.next_tokens) != len(r.positions) or r.k < 0:
+                raise ProtocolError(f"slot {r.slot}: draft request {r} does not continue its drafter at "
+                                    f"{self.drafted[r.slot]} over rows {ran} of the last pass")
+            pos = np.arange(r.positions[-1] + 1)
+            pages = np.asarray(self.tables[r.slot], np.int64)[pos // self.page_tokens]
+            hist = list(self.memory[pages, pos % self.page_tokens])
+            if hist[r.positions[0] + 1:] != list(r.next_tokens[:-1]):
+                raise ProtocolError(f"slot {r.slot}: next_tokens {r.next_tokens} disagree with the rows written")
+            hist.append(r.next_tokens[-1])
+            self.drafted[r.slot] = r.positions[-1] + 1
+            d = []
+            for _ in range(r.k):
+                seed = self._crc(hist)
+                t = int(np.argmax(self._logits(seed)))
+                d.append(t if seed % 100 < self.draft_accuracy else (t + 1) % self.vocab_size)
+                hist.append(d[-1])
+            out.append(np.asarray(d, np.int32))
+        return out
 
     def drop_state(self, snapshot: int) -> None:
         del self.snapshots[snapshot]
@@ -107,6 +152,10 @@ class HashBackend:
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         self.passes.append(plan)
+        self.last_rows = {}
+        for r in rows:
+            self.last_rows[r.slot] = range(self.last_rows.get(r.slot, range(r.position, r.position)).start,
+                                           r.position + 1)
         logits, argmax = [], []
         for r in rows:
             if self._crc(self.history(r.slot)) != self.carry[r.slot]:

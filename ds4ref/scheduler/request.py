@@ -59,6 +59,8 @@ class FinishEvent:
     completion_tokens: int = 0
     message: str = ""
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    draft_tokens: int = 0     # speculative decoding: drafts its rounds proposed
+    accepted_drafts: int = 0  # ... and how many of them the model's own choices confirmed
 
 
 Event = Union[TokenEvent, FinishEvent]

@@ -178,7 +178,7 @@ class Scheduler:
             for s in live:
                 if s.prompting:
                     continue
-                cost = self.engine.free_page_cost(s.slot, 1)
+                cost = self.engine.free_page_cost(s.slot, self.engine.decode_rows(s.slot))
                 if cost > budget:
                     starved = s
                     break
@@ -199,18 +199,37 @@ class Scheduler:
     def _plan(self) -> list[Work]:
         live = self.engine.live()
         work, budget = self._plan_decoders(live)
-        return work + self._plan_prompts(live, budget, self.max_batched_rows - len(work))
+        rows_left = self.max_batched_rows - sum(w.rows for w in work)
+        work, budget, rows_left = self._plan_drafts(live, work, budget, rows_left)
+        return work + self._plan_prompts(live, budget, rows_left)
 
     def _plan_decoders(self, live: list[Seq]) -> tuple[list[Work], int]:
-        """One row per decoder that can get its next page, and the free pages left."""
+        """Each decoder that can get its next page runs its known rows (one, or more after a
+        refused draft), and the free pages left."""
         budget, work = self.engine.free_pages, []
         for s in live:
             if not s.prompting:
-                cost = self.engine.free_page_cost(s.slot, 1)
+                rows = self.engine.decode_rows(s.slot)
+                cost = self.engine.free_page_cost(s.slot, rows)
                 if cost <= budget:  # otherwise it stalls until a page frees up
-                    work.append(Work(s.slot, 1))
+                    work.append(Work(s.slot, rows))
                     budget -= cost
         return work, budget
+
+    def _plan_drafts(self, live: list[Seq], work: list[Work], budget: int, rows_left: int):
+        """Drafts go to decoders oldest first, from the rows left after one row for every
+        prompt. Were every draft refused, each decoder's next round must feed again at most
+        the rows it runs now, so the next pass's required rows fit as these did."""
+        spare = rows_left - sum(1 for s in live if s.prompting)
+        out = []
+        for w in work:
+            n = min(self.engine.draft_rows(w.slot), max(0, spare))
+            while n and self.engine.free_page_cost(w.slot, w.rows + n) - self.engine.free_page_cost(w.slot, w.rows) > budget:
+                n -= 1  # drafts stay on the page of the round's first token, so this only guards
+            budget -= self.engine.free_page_cost(w.slot, w.rows + n) - self.engine.free_page_cost(w.slot, w.rows)
+            spare, rows_left = spare - n, rows_left - n
+            out.append(Work(w.slot, w.rows + n))
+        return out, budget, rows_left
 
     def _plan_prompts(self, live: list[Seq], budget: int, rows_left: int) -> list[Work]:
         """The pass's remaining rows dealt to prompts as chunks, from a rotating start."""
@@ -233,29 +252,31 @@ class Scheduler:
         if got != [(w.slot, w.rows) for w in work]:
             raise StepError(f"planned (slot, rows) {[(w.slot, w.rows) for w in work]}, outcomes {got}")
         for o in outcomes:
-            if (o.choice is None) != self.engine.seqs[o.slot].prompting:
-                raise StepError(f"slot {o.slot}: a token is expected exactly when its prompt is done")
+            if (not o.choices) != self.engine.seqs[o.slot].prompting:
+                raise StepError(f"slot {o.slot}: tokens are expected exactly when its prompt is done")
 
     def _apply(self, outcomes: list[Outcome]) -> list[Event]:
         events: list[Event] = []
         for o in outcomes:
-            if o.choice is None:
-                continue
             s = self.engine.seqs[o.slot]
-            r, tok = s.request, o.choice.token
-            self._tokens_generated += 1
-            if (tok == self.engine.config.eos_id and not r.ignore_eos) or tok in r.stop_ids:
-                events.append(self._finish(s, "stop"))  # the stop token itself is not reported
-                continue
-            events.append(TokenEvent(r.req_id, tok, o.choice.logprob, o.choice.top_logprobs))
-            if len(s.generated) >= s.max_new:
-                events.append(self._finish(s, "length"))
+            r, before = s.request, len(s.generated) - len(o.choices)
+            for n, c in enumerate(o.choices, before + 1):
+                self._tokens_generated += 1
+                if s.stops(c.token, self.engine.config.eos_id):
+                    events.append(self._finish(s, "stop"))  # the stop token itself is not reported
+                    break
+                events.append(TokenEvent(r.req_id, c.token, c.logprob, c.top_logprobs))
+                if n >= s.max_new:
+                    events.append(self._finish(s, "length"))
+                    break
         return events
 
     def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
         self.engine.retire(s.slot, cache_tail=reason != "error")
         self._running.pop(s.request.req_id, None)
-        return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens)
+        spec = s.spec
+        return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens,
+                           spec.proposed if spec else 0, spec.accepted if spec else 0)
 
     def _break_stall(self) -> list[Event]:
         """Nothing could run although _make_room had its turn: a bookkeeping bug, never

@@ -24,6 +24,15 @@ that state, and feeds only the rest. Prompt chunks end at the snapshot boundarie
 (rows_to_snapshot), which changes no bit: chunking never does. A sequence that ends mid-page
 leaves its partial last page and its state there as a tail (a backend with copy_page): a
 newcomer resuming from it copies that page into a page of its own.
+
+Speculative decoding (speculative_tokens = k > 0; docs/scheduler.md): a decoding slot's
+round feeds its known token at p and up to k drafts after it, every row emitting. The
+sampler walks the rows in order exactly as plain decoding would, accepting while its choice
+equals the next draft; the choices up to the first mismatch (or a stop) are the round's
+tokens. A round that rejects a draft restores the state saved before the pass; the accepted
+rows whose results are known are fed again (emit=False) at the head of the slot's next
+round. `fed` is always the backend's position, whose state is exact, so the prefix cache
+only ever sees accepted rows.
 """
 from __future__ import annotations
 
@@ -34,12 +43,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..console import plural
-from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, Row, StepPlan, StepResult
+from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, DraftRequest, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
 from ..paging.prefix import SNAPSHOTS_PER_SLOT, Match, PrefixCache
 from .request import Request
 from .sampling import Choice, SlotSampler
+from .speculative import MIN_RATE, WINDOW, Acceptance, BackendDrafter, Drafter
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +76,7 @@ class Work:
 class Outcome:
     slot: int
     rows: int
-    choice: Optional[Choice]  # the token this pass produced, None for a mid-prompt chunk
+    choices: tuple[Choice, ...] = ()  # the tokens this pass produced, in order; none for a mid-prompt chunk
 
 
 @dataclass
@@ -81,6 +91,10 @@ class Seq:
     prompt_len: int = -1     # the request's own prompt (self.prompt also holds recomputed tokens)
     cached_tokens: int = 0   # prompt tokens its first admission took from the prefix cache
     keys: list = field(default_factory=list)  # prefix-cache keys of its full pages, in order
+    spec: Optional[Acceptance] = None  # speculating: its drafts' record (None: it never drafts)
+    drafts: list = field(default_factory=list)  # drafts for its next round
+    mtp_fed: int = 0         # positions fed to the MTP block (the backend's drafter)
+    done: bool = False       # it produced a stop token or its last one
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -107,23 +121,37 @@ class Seq:
         """Its tokens by position: the request's prompt, then everything generated."""
         return self.prompt[:self.prompt_len] + self.generated
 
+    @property
+    def pending(self) -> int:
+        """Known tokens not yet fed: a prompt's rest, or a decoder's last token after any
+        accepted rows a rejected round must feed again."""
+        return len(self.prompt) - self.fed if self.prompting else self.prompt_len + len(self.generated) - self.fed
+
+    def stops(self, token: int, eos_id: int) -> bool:
+        return (token == eos_id and not self.request.ignore_eos) or token in self.request.stop_ids
+
     def tokens(self, rows: int) -> list[int]:
         if self.prompting:
             return self.prompt[self.fed:self.fed + rows]
-        return [self.generated[-1]]
+        known = self.history()[self.fed:]
+        return known + self.drafts[:rows - len(known)]
 
 
 class SeqEngine:
     def __init__(self, backend: Backend, config, max_concurrency: int = 16,
                  kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
                  max_context: Optional[int] = None, page_order_seed: Optional[int] = None,
-                 prefix_cache: bool = True, snapshot_every: int = 8, max_snapshots: Optional[int] = None):
+                 prefix_cache: bool = True, snapshot_every: int = 8, max_snapshots: Optional[int] = None,
+                 speculative_tokens: int = 0, drafter: Optional[Drafter] = None, spec_min_rate: float = MIN_RATE,
+                 spec_window: int = WINDOW):
         """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them).
         max_concurrency: live sequences, at most the decode lanes (DECODE_LANES, or the backend's
         max_pass_rows if smaller), since every one of them may be decoding in the same pass.
         prefix_cache: reuse cached pages and state (a backend without save_state/load_state/
         drop_state runs without); snapshot_every: pages between a prompt's snapshots;
-        max_snapshots: snapshots held at once (default SNAPSHOTS_PER_SLOT per slot)."""
+        max_snapshots: snapshots held at once (default SNAPSHOTS_PER_SLOT per slot).
+        speculative_tokens: drafts per round (0: off); drafter: where drafts come from (default
+        the backend's MTP block); spec_min_rate, spec_window: the auto-off rule (speculative.py)."""
         lanes = min(DECODE_LANES, backend.max_pass_rows)
         if not 1 <= max_concurrency <= lanes:
             raise ValueError(f"max_concurrency must be in 1..{lanes} (decode lanes), got {max_concurrency}")
@@ -148,6 +176,18 @@ class SeqEngine:
         self.tails = self.cache is not None and hasattr(backend, "copy_page")
         self.seqs: dict[int, Seq] = {}
         self._admitted = 0
+        if speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {speculative_tokens}")
+        self.speculative_tokens = speculative_tokens
+        self.spec_min_rate, self.spec_window = spec_min_rate, spec_window
+        if speculative_tokens:
+            missing = [m for m in ("save_state", "restore_state", "drop_state") if not hasattr(backend, m)]
+            if drafter is None and not hasattr(backend, "draft"):
+                missing.append("draft")
+            if missing:
+                raise ValueError(f"speculative decoding needs the {backend.name} backend's {', '.join(missing)}")
+        self.drafter = drafter if drafter is not None else BackendDrafter(backend) if speculative_tokens else None
+        self.spec_totals = {"spec_proposed": 0, "spec_accepted": 0, "spec_rounds": 0, "spec_off": 0}
         backend.configure(max_concurrency, n_pages, page_tokens)
 
     # ---- admission -------------------------------------------------------------
@@ -212,6 +252,10 @@ class SeqEngine:
             seq.fed, seq.keys = match.tokens, [p.key for p in match.pages]
         if self.cache is not None:
             self.cache.record(match)
+        if self.speculative_tokens:  # a preempted sequence keeps its record (and its auto-off)
+            seq.spec = resume.spec if resume is not None and resume.spec is not None else \
+                Acceptance(self.spec_min_rate, self.spec_window)
+        seq.mtp_fed = seq.fed
         self.seqs[seq.slot] = seq
         return Admission("admitted", slot=seq.slot)
 
@@ -275,6 +319,22 @@ class SeqEngine:
         pages, and at the last boundary at or before the prompt's end."""
         return boundary % self.snapshot_every == 0 or boundary == len(s.prompt) // self.pool.page_tokens
 
+    def decode_rows(self, slot: int) -> int:
+        """Rows a decoding slot must run in its next round: its known tokens not yet fed."""
+        return self.seqs[slot].pending
+
+    def draft_rows(self, slot: int) -> int:
+        """Drafts a decoding slot may add to its next round: those it holds, no more than its
+        output has room for, none past the page its next token sits on (so a round takes no
+        page beyond what one plain row takes, and a page boundary is reached exactly, with the
+        state exact for the prefix cache), and none while it has k rows to feed again (a run of
+        rejected rounds then ends with a plain one)."""
+        s = self.seqs[slot]
+        if s.prompting or s.spec is None or not s.spec.on or s.pending > self.speculative_tokens:
+            return 0
+        p, T = len(s.history()) - 1, self.pool.page_tokens
+        return max(0, min(len(s.drafts), s.max_new - len(s.generated) - 1, T - 1 - p % T))
+
     def free_page_cost(self, slot: int, rows: int) -> int:
         """Free (unreserved) pages that running `rows` more rows of slot would take."""
         s = self.seqs[slot]
@@ -285,9 +345,17 @@ class SeqEngine:
     def step(self, work: Sequence[Work]) -> list[Outcome]:
         rows = self._rows(work)
         self._map_pages(work)
-        result = self.backend.step(StepPlan.from_rows(rows, self.max_pass_rows))
-        self._check(rows, result)
-        outcomes = self._advance(work, result)
+        # a round with drafts may be rolled back to here (restore_state)
+        snaps = {w.slot: self.backend.save_state(w.slot) for w in work if w.rows > self.seqs[w.slot].pending}
+        try:
+            result = self.backend.step(StepPlan.from_rows(rows, self.max_pass_rows))
+            self._check(rows, result)
+            outcomes = self._advance(work, result, snaps)
+        finally:
+            for snap in snaps.values():
+                self.backend.drop_state(snap)
+        if self.drafter is not None:
+            self._draft(work)
         if self.cache is not None:
             for w in work:
                 self._cache_progress(self.seqs[w.slot])
@@ -326,12 +394,14 @@ class SeqEngine:
             s = self.seqs.get(w.slot)
             if s is None:
                 raise ValueError(f"slot {w.slot} is not live")
-            limit = s.prompt_left if s.prompting else 1
-            if not 1 <= w.rows <= limit:
-                raise ValueError(f"slot {w.slot} may run 1..{limit} rows now, plan asks {w.rows}")
+            least = 1 if s.prompting else s.pending
+            most = s.prompt_left if s.prompting else s.pending + self.draft_rows(w.slot)
+            if not least <= w.rows <= most:
+                raise ValueError(f"slot {w.slot} may run {least}..{most} rows now, plan asks {w.rows}")
+            # Only a sequence's newest known row and its drafts yield tokens; earlier rows fill state.
+            first_emit = w.rows - 1 if s.prompting else s.pending - 1
             for i, tok in enumerate(s.tokens(w.rows)):
-                # Only a sequence's newest row yields a token; earlier prompt rows just fill state.
-                emit = i == w.rows - 1 and s.fed + w.rows >= len(s.prompt)
+                emit = i >= first_emit and s.fed + w.rows >= len(s.prompt)
                 rows.append(Row(w.slot, s.fed + i, tok, want_logits=emit and s.sampler.needs_logits, emit=emit))
         if sum(self.free_page_cost(w.slot, w.rows) for w in work) > self.pool.free_pages:
             raise ValueError("the plan needs more free pages than the pool has")
@@ -363,21 +433,71 @@ class SeqEngine:
                 raise StepError(f"row {i} (slot {r.slot}): argmax {int(result.argmax[i])} disagrees "
                                 f"with its logits ({int(np.argmax(lg))})")
 
-    def _advance(self, work: Sequence[Work], result: StepResult) -> list[Outcome]:
+    def _advance(self, work: Sequence[Work], result: StepResult, snaps: dict[int, int]) -> list[Outcome]:
         outcomes, i = [], 0
         for w in work:
             s = self.seqs[w.slot]
-            last = i + w.rows - 1
-            s.fed += w.rows
-            choice = None
-            if not s.prompting:
-                choice = s.sampler.choose(result.logits[last], int(result.argmax[last]))
-            outcomes.append(Outcome(w.slot, w.rows, choice))
+            if s.prompting:
+                s.fed += w.rows
+                choices = [] if s.prompting else [self._choose(s, result, i + w.rows - 1)]
+            else:
+                choices = self._round(s, w, result, i, snaps.get(w.slot))
+            outcomes.append(Outcome(w.slot, w.rows, tuple(choices)))
             i += w.rows
         return outcomes
 
+    def _choose(self, s: Seq, result: StepResult, row: int) -> Choice:
+        c = s.sampler.choose(result.logits[row], int(result.argmax[row]))
+        s.done = s.stops(c.token, self.config.eos_id) or len(s.generated) >= s.max_new
+        return c
+
+    def _round(self, s: Seq, w: Work, result: StepResult, first: int, snap: Optional[int]) -> list[Choice]:
+        """Choose along the round's emitting rows as plain decoding would, one row at a time,
+        while each choice confirms the next draft; restore the state if a draft was refused."""
+        known, k = s.pending, w.rows - s.pending
+        drafts, choices = s.drafts[:k], []
+        for d in range(k + 1):
+            choices.append(self._choose(s, result, first + known - 1 + d))
+            if s.done or d == k or choices[-1].token != drafts[d]:
+                break
+        accepted = next((j for j, (c, t) in enumerate(zip(choices, drafts)) if c.token != t), min(len(choices), k))
+        if k:
+            s.spec.record(k, accepted)
+            self.spec_totals["spec_rounds"] += 1
+            self.spec_totals["spec_proposed"] += k
+            self.spec_totals["spec_accepted"] += accepted
+            if not s.spec.on:
+                self.spec_totals["spec_off"] += 1
+        if accepted == k:
+            s.fed += w.rows
+        elif not s.done:  # rows past the last accepted one hold a refused draft's state
+            self.backend.restore_state(s.slot, snap)
+        s.drafts = []
+        return choices
+
+    def _draft(self, work: Sequence[Work]) -> None:
+        """Feed each speculating slot's accepted rows of this pass to the drafter, and take
+        the drafts of its next round."""
+        requests = []
+        for w in work:
+            s = self.seqs[w.slot]
+            if s.spec is None or not s.spec.on or s.done:
+                continue
+            # the last row run with its true token: it chose (or its prompt gives) the next one
+            known = s.fed - 1 if s.prompting else len(s.history()) - 2
+            k = 0 if s.prompting else min(self.speculative_tokens, s.max_new - len(s.generated) - 1)
+            positions = tuple(range(s.mtp_fed, known + 1))
+            history = s.history() if not s.prompting else s.prompt
+            requests.append(DraftRequest(s.slot, positions, tuple(history[p + 1] for p in positions), k))
+            s.mtp_fed = known + 1
+        for r, d in zip(requests, self.drafter.draft(requests, self.seqs)):
+            d = np.asarray(d).reshape(-1)
+            if d.size != r.k or (d.size and not (0 <= d.min() and d.max() < self.config.vocab_size)):
+                raise StepError(f"slot {r.slot}: drafter returned {d.tolist()} for {r.k} drafts")
+            self.seqs[r.slot].drafts = [int(t) for t in d]
+
     def stats(self) -> dict:
         cache = self.cache.stats() if self.cache is not None else dict.fromkeys(PrefixCache.STATS, 0)
-        return {"live": len(self.seqs), "pages_total": self.pool.n_pages,
+        return {"live": len(self.seqs), **self.spec_totals, "pages_total": self.pool.n_pages,
                 "pages_used": self.pool.used_pages, "pages_reserved": self.pool.reserved_pages,
                 "pages_free": self.pool.free_pages, **cache}

@@ -17,10 +17,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 max_pending: int = 1024, stall_timeout: float = 30.0, prompt_quantum: Optional[int] = None,
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
-                max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None):
+                max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None,
+                speculative_tokens: int = 0):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
     max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
-    prefix_cache the SeqEngine's; mtp: antirez's separate MTP GGUF for the model (ds4ref.load's `mtp`)."""
+    prefix_cache the SeqEngine's; mtp: antirez's separate MTP GGUF for the model (ds4ref.load's `mtp`);
+    speculative_tokens: drafts per round (0: off), from the model's MTP block."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -34,8 +36,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
     model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp)
     context = plan.context
+    if speculative_tokens and model.mtp is None:
+        raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
+                         f"none; give antirez's MTP file with --mtp FILE")
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
-                       kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache)
+                       kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
+                       speculative_tokens=speculative_tokens)
     scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
                           max_batched_rows=max_batched_rows)
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
@@ -51,7 +57,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
-                    f"{'on' if engine.cache is not None else 'off'}")
+                    f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
+                    f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
     state.plan = summary(plan)
     return state
 

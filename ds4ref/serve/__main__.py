@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn off the exact prefix cache (on by default: a prompt that begins with whole KV "
                         "pages of an earlier or running request reuses their state; logits are bitwise the same)")
+    p.add_argument("--speculative-tokens", type=non_negative, default=0, metavar="K",
+                   help="speculative decoding: the MTP block drafts K tokens per round and one pass verifies "
+                        "them; output is bitwise that of plain decoding, a sequence whose drafts are rarely "
+                        "accepted stops drafting (needs an MTP block; default 0 = off)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the memory plan (weights, paged KV history, per-slot state) and exit: 0 if it "
                         "fits, 2 if not; reads no tensor data, allocates nothing, binds no port")
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
                             api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
                             max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache,
-                            mtp=args.mtp)
+                            mtp=args.mtp, speculative_tokens=args.speculative_tokens)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2

@@ -222,6 +222,7 @@ class Generation:
         self.finish_reason: Optional[str] = None
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache served (known at the FinishEvent)
+        self.drafts = (0, 0)    # speculative decoding: drafts proposed, accepted (known at the FinishEvent)
         self.arrived = time.monotonic()
         self._stream = None
         self._first: Optional[list] = None  # events read before a stream's response started
@@ -314,7 +315,7 @@ class Generation:
                         break
                 elif isinstance(ev, FinishEvent):
                     self._engine_done = True
-                    self.cached_tokens = ev.cached_tokens
+                    self.cached_tokens, self.drafts = ev.cached_tokens, (ev.draft_tokens, ev.accepted_drafts)
                     if ev.reason == "error":
                         self.finish_reason = "error"
                         raise APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
@@ -343,6 +344,7 @@ class Generation:
                 finish = next((ev for ev in batch if isinstance(ev, FinishEvent)), None)
                 if finish is not None:
                     self._engine_done, self.cached_tokens = True, finish.cached_tokens
+                    self.drafts = (finish.draft_tokens, finish.accepted_drafts)
                     return
                 batch = await self._stream.next_events()
         except StreamAborted:  # the runner went away: the answer stands, cached tokens unknown
@@ -382,7 +384,10 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                **({"completion_tokens_details": {"accepted_prediction_tokens": self.drafts[1],
+                                                  "rejected_prediction_tokens": self.drafts[0] - self.drafts[1]}}
+                   if self.drafts[0] else {})}
 
 
 def _skipped_tokens(tokenizer: Any, skip_special: bool, parse_tools: bool) -> frozenset:

@@ -90,6 +90,10 @@ STAT_COUNTERS = {
     "prefix_cached_tokens": ("prefix_cache_cached_tokens_total", "Prompt tokens served from the prefix cache."),
     "prefix_evictions": ("prefix_cache_evictions_total", "Cached prefix pages evicted to make room."),
     "prefix_tail_hits": ("prefix_cache_tail_hits_total", "Admissions that resumed from a cached partial page."),
+    "spec_proposed": ("spec_draft_tokens_total", "Draft tokens speculative rounds proposed."),
+    "spec_accepted": ("spec_accepted_tokens_total", "Draft tokens the model's own choices confirmed."),
+    "spec_rounds": ("spec_rounds_total", "Speculative rounds (passes in which a sequence verified drafts)."),
+    "spec_off": ("spec_auto_off_total", "Sequences that stopped drafting because too few drafts were accepted."),
 }
 
 

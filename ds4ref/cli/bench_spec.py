@@ -1,0 +1,149 @@
+"""python -m ds4ref.cli.bench --speculative-tokens K: speculative decoding's speed-up against
+its acceptance, in process (no server).
+
+For each concurrency C: C greedy requests (ignore_eos) run first without speculation; their
+outputs are the true continuations. Then, per draft source, the same requests with K drafts a
+round: `oracle:RATE` replays the true continuation, each draft right with probability RATE
+(1 = always, 0 = never), `mtp` drafts with the model's MTP block. Every run's tokens must equal
+the plain run's (column `exact`). Timed: the decode phase only (from the pass after which no
+prompt is left to the last token). Columns: measured acceptance (accepted / proposed drafts),
+tok/s, speed-up over plain, passes, the drafter's ms per pass (the MTP block's own cost with
+`mtp`), sequences that turned speculation off.
+
+Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
+numpy|hip, or --synthetic 8layer|full (benchmarks/decode_gpu.py's random Flash-shaped models
+on the GPU: the 8-layer bf16 one, or 43 layers in the q2 policy; oracle drafts only).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+
+from ..console import HelpFormatter
+from ..scheduler.engine import Engine
+from ..scheduler.request import Request, TokenEvent
+from ..scheduler.speculative import BackendDrafter, OracleDrafter
+from .bench_util import text_table
+
+
+class TimedDrafter:
+    def __init__(self, inner) -> None:
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def draft(self, requests, seqs):
+        t = time.perf_counter()
+        out = self.inner.draft(requests, seqs)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+
+def decode_run(model, backend: str, reqs: list[Request], C: int, k: int = 0, make_drafter=None, min_rate=None):
+    """(outputs, decode tok/s, decode passes, engine, timed drafter): the decode phase timed.
+    make_drafter(backend) builds the drafter over the run's own backend."""
+    eng = Engine(model, max_concurrency=C, backend=backend, speculative_tokens=k, prefix_cache=False,
+                 drafter=TimedDrafter(None) if k else None, spec_min_rate=min_rate)
+    timed = None
+    if k:
+        timed = eng.seq_engine.drafter = TimedDrafter(make_drafter(eng.seq_engine.backend))
+    sch = eng.scheduler
+    for r in reqs:
+        sch.submit(r)
+    outs = {r.req_id: [] for r in reqs}
+    t0, tokens, passes = None, 0, 0
+    while sch.has_work():
+        for ev in sch.step():
+            if isinstance(ev, TokenEvent):
+                outs[ev.req_id].append(ev.token)
+                tokens += t0 is not None
+        if t0 is not None:
+            passes += 1
+        elif not any(s.prompting for s in eng.seq_engine.live()):
+            t0 = time.perf_counter()  # every prompt is in: decoding from here on
+    dt = time.perf_counter() - (t0 or time.perf_counter())
+    return [outs[r.req_id] for r in reqs], tokens / dt if dt else 0.0, passes, eng, timed
+
+
+def synthetic(which: str):
+    """A model stand-in over benchmarks/decode_gpu.py's random device weights."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_gpu.py"
+    spec = importlib.util.spec_from_file_location("decode_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from ..hip.backend import HipBackend
+    rt, cfg, dw, ref, what = mod.make_model(which == "full")
+    print(what, flush=True)
+    return SimpleNamespace(config=cfg, mtp=None,
+                           make_backend=lambda name=None: HipBackend(ref, runtime=rt, device_weights=dw))
+
+
+def parse_draft(text: str):
+    if text == "mtp":
+        return text
+    kind, _, rate = text.partition(":")
+    if kind != "oracle" or not rate:
+        raise argparse.ArgumentTypeError(f"a draft source is oracle:RATE or mtp, got {text!r}")
+    return float(rate)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds4ref.cli.bench --speculative-tokens K",
+                                description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--speculative-tokens", type=int, required=True, metavar="K", help="drafts per round")
+    p.add_argument("--draft", type=parse_draft, action="append", default=None,
+                   help="oracle:RATE or mtp; repeatable (default oracle:1, oracle:0.7, oracle:0.5, oracle:0, mtp)")
+    p.add_argument("--concurrency", default="1,4,16", help="e.g. 1,4,16")
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
+    p.add_argument("--mtp", default=None, help="separate MTP GGUF for --model")
+    p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
+    p.add_argument("--synthetic", choices=("8layer", "full"), default=None,
+                   help="benchmarks/decode_gpu.py's random Flash-shaped model on the GPU (oracle drafts only)")
+    p.add_argument("--prompt-tokens", type=int, default=24, help="prompt length (ragged +-50%%)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
+    p.add_argument("--no-auto-off", action="store_true", help="keep drafting whatever the acceptance")
+    args = p.parse_args(argv)
+    k = args.speculative_tokens
+    if args.synthetic:
+        model, backend = synthetic(args.synthetic), "hip"
+    else:
+        from ..model import load
+        model, backend = load(args.model, backend=args.backend, mtp=args.mtp), args.backend
+    drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + (["mtp"] if model.mtp is not None else [])
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    rows = []
+    for C in [int(c) for c in args.concurrency.split(",")]:
+        lens = rng.integers(max(1, args.prompt_tokens // 2), args.prompt_tokens * 3 // 2 + 1, C)
+        prompts = [[int(t) for t in rng.integers(2, V, n)] for n in lens]
+        reqs = lambda: [Request(pr, args.max_tokens, ignore_eos=True, req_id=10_000 + i)  # noqa
+                        for i, pr in enumerate(prompts)]
+        decode_run(model, backend, reqs(), C)  # warm-up: compiles, caches, graphs
+        truth, base, base_passes, _, _ = decode_run(model, backend, reqs(), C)
+        rows.append([str(C), "plain", "-", f"{base:.1f}", "1.00", str(base_passes), "-", "-", "yes"])
+        truths = {10_000 + i: t for i, t in enumerate(truth)}
+        for d in drafts:
+            make = BackendDrafter if d == "mtp" else (lambda be, d=d: OracleDrafter(truths, d, V))
+            out, tps, passes, eng, timed = decode_run(model, backend, reqs(), C, k, make,
+                                                      0.0 if args.no_auto_off else None)
+            s = eng.scheduler.stats()
+            acc = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0
+            rows.append([str(C), "mtp" if d == "mtp" else f"oracle:{d:g}", f"{acc:.2f}", f"{tps:.1f}",
+                         f"{tps / base:.2f}" if base else "-", str(passes),
+                         f"{1000 * timed.seconds / max(1, timed.calls):.2f}", str(s["spec_off"]),
+                         "yes" if out == truth else "NO"])
+        print(f"C={C} done", flush=True)
+    cols = [("C", 3), ("draft", 10), ("accept", 6), ("tok/s", 8), ("speedup", 7), ("passes", 6),
+            ("draft ms/pass", 13), ("auto-off", 8), ("exact", 5)]
+    print(text_table(cols, rows, f"K = {k} drafts a round; {backend} backend; decode phase only; "
+                                 f"auto-off {'disabled' if args.no_auto_off else 'on'}"))
+    return 0 if all(r[-1] == "yes" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
