@@ -16,7 +16,7 @@ from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_weights import mtp_device_names
 from ds4ref.hip.mtp import first_pass, last_position, next_pass
 from ds4ref.hip.op_cases import CASES
-from test_hip_program import RecordingRuntime, rt  # noqa: F401 - the fixture
+from test_hip_program import rt  # noqa: F401 - the fixture
 from test_op_cases import END_TO_END
 
 

@@ -3,9 +3,10 @@
 Design (docs/hip_backend.md has the long form):
 * Buckets. A pass runs in the smallest capacity bucket that holds its rows: 16 lanes
   (decode, the 16-lane gathered pass), 32, 64, 128 (decode rows with their drafts:
-  speculation) or PREFILL_ROWS lanes (a prompt pass, chunked prefill). Each bucket is its own recorded program and captured graph over the same
-  state and workspace; a lane's arithmetic does not depend on the bucket, so a prompt
-  fed 256 rows a pass gives the bits of one row a pass.
+  speculation) or PREFILL_ROWS lanes (a prompt pass, chunked prefill). Each bucket is
+  its own recorded program and captured graph over the same state and workspace; a
+  lane's arithmetic does not depend on the bucket, so a prompt fed 256 rows a pass
+  gives the bits of one row a pass.
 * Lanes. A pass is always a bucket's lanes; padding lanes carry slot -1. The host writes
   per-lane ints (slot, position, token, where the slot's rows start and end in the
   pass, visible compressed rows per ratio) into one fixed device buffer before
