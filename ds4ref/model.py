@@ -57,8 +57,9 @@ class DS4Model:
         if name == "hip":
             from .hip.backend import HipBackend
             if self._device is not None:  # weights are on the device already: share them
-                return HipBackend(self.reference, runtime=self._device.rt, device_weights=self._device.w)
-            return HipBackend(self.reference)
+                return HipBackend(self.reference, runtime=self._device.rt, device_weights=self._device.w,
+                                  mtp=self.mtp, mtp_device_weights=self._device.mtp and self._device.mtp.w)
+            return HipBackend(self.reference, mtp=self.mtp)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

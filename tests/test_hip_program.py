@@ -31,6 +31,9 @@ class Buf(DeviceBuffer):
         super().__init__(None, 0, nbytes)
 
 
+_SIGNATURES: dict[str, dict] = {}
+
+
 class RecordingRuntime:
     """Allocations and launches are recorded; nothing runs."""
     kind = "recording"
@@ -40,7 +43,9 @@ class RecordingRuntime:
         self.allocated, self.launches = 0, []
 
     def compile_file(self, filename, options=()):
-        sigs = file_signatures(filename)
+        if filename not in _SIGNATURES:  # parsed once: a pass records hundreds of launches per bucket
+            _SIGNATURES[filename] = file_signatures(filename)
+        sigs = _SIGNATURES[filename]
         return types.SimpleNamespace(kernel=lambda name, f=filename: Kernel((f, name), name, sigs[name]))
 
     def upload(self, arr):
@@ -58,6 +63,9 @@ class RecordingRuntime:
 
     def h2d(self, buf, arr):
         assert np.asarray(arr).nbytes <= buf.nbytes
+
+    def d2d(self, dst, src, n):
+        assert n <= dst.nbytes and n <= src.nbytes, "copy past the end of a buffer"
 
     def synchronize(self):
         pass
@@ -107,7 +115,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
-    assert sorted(backend.programs) == [16, 256] and backend.max_pass_rows == 256
+    assert sorted(backend.programs) == [16, 32, 64, 128, 256] and backend.max_pass_rows == 256
     for L, program in backend.programs.items():
         ops = program.ops
         assert len(ops) > 10 * cfg.n_layer
@@ -164,8 +172,9 @@ def test_compact_state_is_what_the_rows_need(rt):
 
 
 def test_each_pass_runs_the_program_of_its_bucket(rt):
-    """A decode pass replays the 16-lane graph, a prompt pass of 17..256 rows the 256-lane
-    one; each bucket is captured once, and the host reads the head's rows in emit order."""
+    """A decode pass replays the 16-lane graph, a pass of 129..256 rows the 256-lane one (and
+    17..32, 33..64, 65..128 rows the buckets between); each bucket is captured once, and the
+    host reads the head's rows in emit order."""
     from ds4ref.backend import Row, StepPlan
     cfg = tiny_config()
     dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
@@ -193,6 +202,10 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
     assert (res.argmax[1:200] == -1).all() and res.logits[-1] is not None and res.logits[0] is None
     step([Row(s, pos[s], 1) for s in range(3)])
     assert backend.capture_count == 2 and backend.replay_count == 3
+    res, ran = step([Row(0, pos[0] + i, 2) for i in range(20)] + [Row(1, pos[1] + i, 2) for i in range(13)])
+    assert [k for k, _ in ran] == [op[0].handle for op in backend.programs[64].ops]
+    assert backend.capture_count == 3 and [backend.bucket(n) for n in (1, 16, 17, 32, 33, 65, 128, 129, 256)] == \
+        [16, 16, 32, 32, 64, 128, 128, 256, 256]
     with pytest.raises(ValueError, match="at most 256"):
         backend.step(StepPlan.from_rows([Row(0, pos[0] + i, 1) for i in range(256)] + [Row(1, pos[1], 1)], 257))
 

@@ -2,10 +2,11 @@
 
 Design (docs/hip_backend.md has the long form):
 * Buckets. A pass runs in the smallest capacity bucket that holds its rows: 16 lanes
-  (decode, the 16-lane gathered pass) or PREFILL_ROWS lanes (a prompt pass, chunked
-  prefill). Each bucket is its own recorded program and captured graph over the same
-  state and workspace; a lane's arithmetic does not depend on the bucket, so a prompt
-  fed 256 rows a pass gives the bits of one row a pass.
+  (decode, the 16-lane gathered pass), 32, 64, 128 (decode rows with their drafts:
+  speculation) or PREFILL_ROWS lanes (a prompt pass, chunked prefill). Each bucket is
+  its own recorded program and captured graph over the same state and workspace; a
+  lane's arithmetic does not depend on the bucket, so a prompt fed 256 rows a pass
+  gives the bits of one row a pass.
 * Lanes. A pass is always a bucket's lanes; padding lanes carry slot -1. The host writes
   per-lane ints (slot, position, token, where the slot's rows start and end in the
   pass, visible compressed rows per ratio) into one fixed device buffer before
@@ -25,9 +26,13 @@ Design (docs/hip_backend.md has the long form):
   groups of 16, one per grid z, each with the 16-lane kernel's arithmetic.
 * The head (hc head, norm, lm head, argmax) runs only on the rows that emit, gathered
   to the front: intermediate prompt rows skip the largest single weight read.
+* Speculation (hip/mtp.py): draft() runs the MTP block by the same builders, as a
+  one-layer model over the last step's final streams; restore_state rolls a slot back to
+  a prefix-cache snapshot.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -42,6 +47,7 @@ from . import ops as K
 from .device_state import DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
+from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
 from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
                         shared_q8_inputs, workspace_sizes)
@@ -55,6 +61,16 @@ PREFILL_EXPERT_RPW = getenv_int("DS4REF_PREFILL_EXPERT_RPW")
 
 def _blocks(n: int, per: int) -> int:
     return max(1, -(-int(n) // per))
+
+
+def capacity_buckets(prefill_rows: int) -> tuple[int, ...]:
+    """16 lanes (decode), the powers of two between (decode rows with their drafts: 16 lanes of
+    k + 1 rows), and prefill_rows: a pass never runs in a program more than twice its rows."""
+    out, b = {DECODE_LANES, int(prefill_rows)}, 2 * DECODE_LANES
+    while b < prefill_rows:
+        out.add(b)
+        b *= 2
+    return tuple(sorted(out))
 
 
 class Recorder:
@@ -81,13 +97,14 @@ class HipBackend:
 
     def __init__(self, reference_model, runtime=None, device_weights: DeviceWeights | None = None,
                  use_graph: bool | None = None, allow_untested_arch: bool = False,
-                 prefill_rows: int = PREFILL_ROWS):
+                 prefill_rows: int = PREFILL_ROWS, mtp=None, mtp_device_weights: DeviceWeights | None = None):
+        """mtp: the model's MTP block (reference/mtp.py's MTP, DS4Model.mtp), for draft()."""
         self.model = reference_model
         self.cfg = reference_model.config
         self.numerics = reference_model.numerics
         if prefill_rows < DECODE_LANES:
             raise ValueError(f"prefill_rows must be >= {DECODE_LANES}, got {prefill_rows}")
-        self.buckets = tuple(sorted({DECODE_LANES, int(prefill_rows)}))
+        self.buckets = capacity_buckets(prefill_rows)
         self.max_pass_rows = self.buckets[-1]
         if runtime is None:
             runtime = open_device(allow_untested_arch)
@@ -111,6 +128,11 @@ class HipBackend:
         self.programs: dict[int, Recorder] = {}
         self._graphs: dict[int, object] = {}
         self._ws: dict[str, object] = {}
+        # (slot, position) -> lane of the last step's rows, whose final streams s0 still holds
+        # for draft(); None once an MTP pass has overwritten them
+        self._streams_at: dict[tuple[int, int], int] | None = None
+        self._mtp_snapshots: dict[int, int] = {}  # snapshot id -> the MTP ring's snapshot id
+        self.mtp = MTPDevice(self, mtp, mtp_device_weights) if mtp is not None else None
 
     def describe(self) -> str:
         """Runtime and memory plan, for the server's start-up banner."""
@@ -132,6 +154,8 @@ class HipBackend:
                              self.quantised_products)
         work = parts["workspace"]
         need = sum(parts.values()) - work
+        if self.mtp is not None:
+            need += self.mtp.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact)
         free, _total = self.rt.mem_info()
         if need + work > 0.95 * free:
             raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
@@ -142,32 +166,64 @@ class HipBackend:
                                  n_lanes=self.max_pass_rows)
         self._rope_tables(rope_positions(self.cfg, n_pages, page_tokens))
         self._alloc_workspace()
+        # the indexer's score capacity and the attention's key slices: the main model's, also in the
+        # MTP layer's program (a ratio-0 layer of the main model runs with these very values)
+        self.ncap4 = score_capacity(self.cfg, self.state.maxp, page_tokens)
+        self.at_nz = attention_slices(self.cfg, self.state.maxp, page_tokens)
         self.programs = {}
         for L in self.buckets:
             rec = Recorder(self.rt, L)
             self._build(rec)
             self.programs[L] = rec
         self._graphs = {}  # the state moved: capture again on each bucket's next step
+        self._streams_at, self._mtp_snapshots = None, {}
+        if self.mtp is not None:
+            self.mtp.configure(self, n_slots, n_pages, page_tokens)
+            view = self._layer_view(self.mtp.cfg, self.mtp.w, self.mtp.state)
+            for L in self.buckets:
+                rec = Recorder(self.rt, L)
+                self.mtp.record(view, rec)
+                self.mtp.programs[L] = rec
 
     def reset_slot(self, slot: int) -> None:
         self.rt.bind_thread()  # the protocol may be driven from any thread (the server's runner)
         self._need_state().reset_slot(slot)
+        if self.mtp is not None:
+            self.mtp.state.reset_slot(slot)
 
     def set_block_table(self, slot: int, pages) -> None:
         self.rt.bind_thread()
         self._need_state().set_block_table(slot, pages)
 
+    # A snapshot holds the MTP ring too, so a slot loaded from the prefix cache drafts from the
+    # MTP window of the positions it skips; restore_state leaves the MTP ring as it is (its rows
+    # of positions fed again are rewritten before they are read: backend.DraftRequest).
     def save_state(self, slot: int) -> int:
         self.rt.bind_thread()
-        return self._need_state().save_state(slot)
+        sid = self._need_state().save_state(slot)
+        if self.mtp is not None:
+            try:
+                self._mtp_snapshots[sid] = self.mtp.state.save_state(slot)
+            except MemoryError:
+                self.state.drop_state(sid)
+                raise
+        return sid
 
     def load_state(self, slot: int, snapshot: int, pages) -> None:
         self.rt.bind_thread()
         self._need_state().load_state(slot, snapshot, pages)
+        if self.mtp is not None:
+            self.mtp.state.restore_state(slot, self._mtp_snapshots[snapshot])
 
     def drop_state(self, snapshot: int) -> None:
         self.rt.bind_thread()
         self._need_state().drop_state(snapshot)
+        if self.mtp is not None:
+            self.mtp.state.drop_state(self._mtp_snapshots.pop(snapshot))
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        self.rt.bind_thread()
+        self._need_state().restore_state(slot, snapshot)
 
     def copy_page(self, src: int, dst: int) -> None:
         self.rt.bind_thread()
@@ -182,8 +238,9 @@ class HipBackend:
         order = lane_order([r.slot for r in rows])
         lanes = [rows[i] for i in order]
         st.write_lanes(lane_fields(lanes, st.ratios, st.n_lanes))
-        self._run(self.bucket(len(rows)))
+        self._run(self.programs, self._graphs, self.bucket(len(rows)))
         self.rt.synchronize()
+        self._streams_at = {(r.slot, r.position): lane for lane, r in enumerate(lanes)}
         emitting = [i for i in order if rows[i].emit]  # head row e holds the e-th emitting lane
         amax = self.rt.download(self._ws["amax"], (max(len(emitting), 1),), I32)
         logits: list[np.ndarray | None] = [None] * len(rows)
@@ -201,22 +258,84 @@ class HipBackend:
         """The smallest capacity bucket that holds n_rows rows."""
         return next(L for L in self.buckets if n_rows <= L)
 
+    # ---- speculation: the MTP block's drafts ----------------------------------------------
+    @property
+    def draft(self):
+        """backend.Backend.draft, present only with an MTP block: like the prefix cache's methods,
+        the engine finds out by hasattr, which is False when this raises AttributeError."""
+        if self.mtp is None:
+            raise AttributeError("draft: this model has no MTP block")
+        return self._draft
+
+    def _draft(self, requests) -> list[np.ndarray]:
+        return self.draft_with_logits(requests)[0]
+
+    def draft_with_logits(self, requests, want_logits: bool = False):
+        """draft(), and with want_logits each request's k draft logits (vocab,) too (tests)."""
+        self.rt.bind_thread()
+        st = self._need_state()
+        if self.mtp is None:
+            raise RuntimeError("draft: this model has no MTP block")
+        requests = list(requests)
+        if not requests:
+            return [], []
+        if self._streams_at is None:
+            raise RuntimeError("draft() needs the streams of the last step(), and a draft() since has "
+                               "overwritten them (call draft once after each step)")
+        first = first_pass(requests, self._streams_at, st.n_slots, self.cfg.vocab_size)
+        if last_position(requests) >= self._rope_rows:
+            raise ValueError(f"draft: position {last_position(requests)} is past the RoPE table "
+                             f"({self._rope_rows} positions)")
+        self._streams_at = None  # the MTP passes write s0
+        drafts: list[list[int]] = [[] for _ in requests]
+        logits: list[list[np.ndarray]] = [[] for _ in requests]
+        p, step = first, 0
+        while p.rows:
+            amax, rows_logits = self._mtp_pass(p, want_logits)
+            for e, i in enumerate(p.owner):
+                drafts[i].append(int(amax[e]))
+                if want_logits:
+                    logits[i].append(rows_logits[e])
+            step += 1
+            p = next_pass(requests, step, drafts, p)
+        return [np.asarray(d, I32) for d in drafts], logits
+
+    def _mtp_pass(self, p: MTPPass, want_logits: bool):
+        """Run one MTP pass; the argmax (and logits) of its emitting rows, in lane order."""
+        self.mtp.write(p)
+        self._run(self.mtp.programs, self.mtp.graphs, self.bucket(len(p.rows)))
+        self.rt.synchronize()
+        n, V = len(p.owner), self.cfg.vocab_size
+        amax = self.rt.download(self._ws["amax"], (max(n, 1),), I32)
+        rows = [self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
+                for e in range(n)] if want_logits else []
+        return amax, rows
+
+    def _layer_view(self, cfg, weights: DeviceWeights, state: DeviceState) -> "HipBackend":
+        """The builders over another model of the same widths (the MTP block as a one-layer model):
+        a shallow copy whose config, weights and state are that model's, sharing this backend's
+        workspace, RoPE tables, numerics and the main model's score capacity and key slices."""
+        view = copy.copy(self)
+        view.cfg, view.w, view.state = cfg, weights, state
+        return view
+
     # ---- running -------------------------------------------------------------------
-    def _run(self, L: int) -> None:
-        program = self.programs[L]
+    def _run(self, programs: dict, graphs: dict, L: int) -> None:
+        """Run bucket L's program: replay its graph, captured on its first use."""
+        program = programs[L]
         if not self.use_graph:
             program.run()
             return
-        if L not in self._graphs:
+        if L not in graphs:
             self.rt.synchronize()
             self.rt.begin_capture()
             try:
                 program.run()
             finally:
                 graph = self.rt.end_capture()
-            self._graphs[L] = graph
+            graphs[L] = graph
             self.capture_count += 1
-        self.rt.replay(self._graphs[L])
+        self.rt.replay(graphs[L])
         self.replay_count += 1
 
     def _need_state(self) -> DeviceState:
@@ -225,6 +344,8 @@ class HipBackend:
         return self.state
 
     def _release_state(self) -> None:
+        if self.mtp is not None:
+            self.mtp.free_state()
         if self.state is not None:
             self.state.free()
             for b in self._ws.values():
@@ -237,6 +358,8 @@ class HipBackend:
         for b in [*self.rope_cs.values(), self.hadamard]:
             b.free()
         self.rope_cs = {}
+        if self.mtp is not None:
+            self.mtp.close()
         self.w.free()
 
     # ---- constants and workspace ---------------------------------------------------------
@@ -252,6 +375,7 @@ class HipBackend:
         for b in self.rope_cs.values():
             b.free()
         t = self.model.tables
+        self._rope_rows = positions
         pos = np.arange(positions)
         for kind, omega in ((0, t.omega_main), (1, t.omega_compress)):
             cos, sin = canon.rope_cos_sin(omega, pos)
@@ -272,14 +396,6 @@ class HipBackend:
         self._q8_of = {name: K.Q8Rows(ws[f"{name}_q8_codes"], ws[f"{name}_q8_scales"], ws[f"{name}_q8_sums"], L * w)
                        for name, w in shared_q8_inputs(self.cfg, self.quantised_products and any_packed).items()}
         self.rt.synchronize()
-
-    @property
-    def ncap4(self) -> int:
-        return score_capacity(self.cfg, self.state.maxp, self.state.page_tokens)
-
-    @property
-    def at_nz(self) -> int:
-        return attention_slices(self.cfg, self.state.maxp, self.state.page_tokens)
 
     # ---- the pass --------------------------------------------------------------------------
     def _build(self, rec: Recorder) -> None:

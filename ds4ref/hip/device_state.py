@@ -245,7 +245,6 @@ class DeviceState:
         return self._next_snapshot
 
     def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
-        from .ops import view
         self.check_slot(slot)
         copy, position = self.snapshots[snapshot]
         table = np.asarray(pages, np.int64).reshape(-1)
@@ -254,12 +253,27 @@ class DeviceState:
         check_block_table(slot, self.tables[slot], table, self.n_pages)
         if table.size * self.page_tokens < position or table.size > self.maxp:
             raise ValueError(f"slot {slot}: {table.size} pages do not hold the snapshot's {position} positions")
+        self._copy_in(slot, copy)
+        self.tables[slot], self.next_pos[slot] = table, position
+        self._upload_table(slot)
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        """The slot takes back the snapshot's state and position and keeps its block table (which
+        only grew since, so it still holds the snapshot's positions)."""
+        self.check_slot(slot)
+        copy, position = self.snapshots[snapshot]
+        if self.tables[slot].size * self.page_tokens < position:
+            raise ValueError(f"slot {slot}: its {self.tables[slot].size} pages do not hold the snapshot's "
+                             f"{position} positions (not this slot's snapshot?)")
+        self._copy_in(slot, copy)
+        self.next_pos[slot] = position
+
+    def _copy_in(self, slot: int, copy) -> None:
+        from .ops import view
         at = 0
         for buf, off, nb in self._slot_regions(slot):
             self.rt.d2d(view(buf, off, nb), view(copy, at, nb), nb)
             at += nb
-        self.tables[slot], self.next_pos[slot] = table, position
-        self._upload_table(slot)
 
     def drop_state(self, snapshot: int) -> None:
         copy, _ = self.snapshots.pop(snapshot)

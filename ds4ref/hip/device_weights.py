@@ -18,13 +18,31 @@ import numpy as np
 
 from ..console import progress
 
-from ..gguf.tensors import is_int_tensor, tensor_shapes
+from ..gguf.mtp import PREFIX as MTP_PREFIX
+from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
 from .guards import check_weight_types
 from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows
 
 WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 _GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
                   "IQ2_XXS": "iq2_xxs", "MXFP4": "mxfp4"}
+
+# The MTP block on the device is a one-layer model (gguf.mtp.mtp_config): its block's tensors under
+# layer 0's names and its own head mix and norm under the head's names, so HipBackend's layer and
+# head builders run it unchanged; e_proj, h_proj, enorm and hnorm keep their mtp.0.* names, and the
+# embedding and output projection are the main model's (shared, not uploaded again).
+MTP_HEAD = {"output_hc_fn.weight": "hc_head_fn.weight", "output_hc_base.weight": "hc_head_base.weight",
+            "output_hc_scale.weight": "hc_head_scale.weight", "output_norm.weight": "norm.weight"}
+MTP_INPUT = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
+MTP_BORROWED = ("token_embd.weight", "output.weight")
+
+
+def mtp_device_names(mcfg) -> dict[str, str]:
+    """Device name -> MTPWeights name (`mtp.0.*`), for every tensor of the MTP block."""
+    out = {f"blk.0.{s}": MTP_PREFIX + s for s in layer_tensor_shapes(mcfg, 0)}
+    out.update({dev: MTP_PREFIX + own for dev, own in MTP_HEAD.items()})
+    out.update({MTP_PREFIX + s: MTP_PREFIX + s for s in MTP_INPUT})
+    return out
 
 
 @dataclass
@@ -57,6 +75,7 @@ class DeviceWeights:
         self.mats: dict[str, DeviceTensor] = {}
         self.vecs: dict[str, object] = {}
         self.bytes = 0
+        self.borrowed: set[str] = set()  # another DeviceWeights' matrices, freed by it
 
     # ---- access ------------------------------------------------------------------
     def mat(self, name: str) -> DeviceWeight:
@@ -69,8 +88,9 @@ class DeviceWeights:
         return self.vecs[name]
 
     def free(self) -> None:
-        for t in self.mats.values():
-            t.buf.free()
+        for name, t in self.mats.items():
+            if name not in self.borrowed:
+                t.buf.free()
         for b in self.vecs.values():
             b.free()
         self.mats, self.vecs = {}, {}
@@ -107,6 +127,31 @@ class DeviceWeights:
             else:
                 self._put_mat(name, _raw(weights, name, wtype), wtype, shape,
                               takes_packed(name, wtype, quantised_products))
+        rt.synchronize()
+        return self
+
+    @classmethod
+    def from_mtp(cls, rt, mtp_weights, main: "DeviceWeights", quantised_products: bool = False) -> "DeviceWeights":
+        """The MTP block's tensors (gguf.mtp.MTPWeights) under mtp_device_names, each in its stored
+        encoding as from_weights keeps the main model's; the embedding and output projection are
+        `main`'s buffers."""
+        self = cls(rt, mtp_weights.config)
+        names = mtp_device_names(mtp_weights.config)
+        stored = {dev: _mtp_stored_type(mtp_weights, ours) for dev, ours in names.items()}
+        check_weight_types(stored)
+        for dev, ours in names.items():
+            shape = mtp_weights.shape(ours)
+            wtype = _GGML_TO_WTYPE.get(stored[dev], "f32")
+            if is_vector(dev, shape):
+                self._put_vec(dev, mtp_weights.get(ours))
+            elif wtype == "f32":
+                self._put_mat(dev, np.asarray(mtp_weights.get(ours), np.float32), "f32", shape)
+            else:
+                self._put_mat(dev, _mtp_raw(mtp_weights, ours, wtype), wtype, shape,
+                              takes_packed(dev, wtype, quantised_products))
+        for name in MTP_BORROWED:
+            self.mats[name] = main.mats[name]
+            self.borrowed.add(name)
         rt.synchronize()
         return self
 
@@ -213,6 +258,30 @@ def _stored_types(weights) -> dict[str, str]:
     for name in tensor_shapes(weights.config):
         out[name] = weights.qtype(name).name
     return out
+
+
+def _mtp_source_name(w, name: str) -> str:
+    """The source tensor an MTPWeights tensor is read from (a fused [e_proj | h_proj] for both halves)."""
+    return w.fused if w._split(name) is not None else w.names[name]
+
+
+def _mtp_stored_type(w, name: str) -> str:
+    return w.source.tensor(_mtp_source_name(w, name)).qtype.name
+
+
+def _mtp_raw(w, name: str, wtype: str) -> np.ndarray:
+    """_raw for an MTPWeights tensor: its stored values/bytes, the half of a fused matrix it is."""
+    if wtype in QUANT_WTYPES:
+        _qtype, blocks = w._stored_blocks(name)  # splits a fused matrix by whole blocks
+        return np.asarray(blocks).view(np.uint8)
+    data = np.asarray(w.source.tensor(_mtp_source_name(w, name)).data)
+    half = w._split(name)
+    if half is not None:
+        d = w.config.n_embd
+        data = data[:, half * d:(half + 1) * d]
+    if wtype == "bf16":
+        return data.view(np.uint16) if data.dtype != np.uint16 else data
+    return data.astype(np.float16, copy=False)
 
 
 def _raw(weights, name: str, wtype: str) -> np.ndarray:

@@ -487,6 +487,23 @@ def view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
     return DeviceBuffer(buf.rt, buf.ptr + offset, nbytes)
 
 
+def launch_add_rows(rt, a: DeviceBuffer, b: DeviceBuffer, out: DeviceBuffer, L: int, hc: int, d: int) -> None:
+    """out[l, k] = a[l, k] + b[l] for hc rows of d per lane (the MTP block's input streams)."""
+    rt.launch(kernel(rt, "step_ops", "step_add_rows"), (_blocks(L * hc * d, 256),), (256,),
+              (a, b, out, I32(L), I32(hc), I32(d)))
+
+
+def add_rows(a, b, rt=None):
+    """Twin of a + b[:, None]: a (L, hc, d), b (L, d)."""
+    rt = _rt(rt)
+    a, b = _f32(a), _f32(b)
+    L, hc, d = a.shape
+    with _Scope(rt) as s:
+        out = s.out((L, hc, d))
+        launch_add_rows(rt, s.up(a), s.up(b), out, L, hc, d)
+        return s.get(out, (L, hc, d))
+
+
 def hc_post(streams, y, post, comb, rt=None):
     rt = _rt(rt)
     streams = _f32(streams)

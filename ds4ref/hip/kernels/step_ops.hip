@@ -209,6 +209,17 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
     }
 }
 
+// out[l, k, :] = a[l, k, :] + b[l, :] for the hc streams k of each of L lanes: the MTP block's
+// input streams, h_proj of each stream plus the lane's one e_proj row (reference/mtp.py adds
+// them in this order). Grid over L * hc * d.
+extern "C" __global__ void step_add_rows(const float* __restrict__ a, const float* __restrict__ b,
+                                         float* __restrict__ out, int L, int hc, int d) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)L * hc * d) return;
+    long long l = idx / ((long long)hc * d);
+    out[idx] = a[idx] + b[l * d + idx % d];
+}
+
 // dst[e] = src[from[e]] for the rows e < L with from[e] >= 0 (n floats a row): the rows
 // that emit, gathered to the front so the head runs on as many lane groups as emit.
 extern "C" __global__ void step_gather_rows(const float* __restrict__ src, const int* __restrict__ from,

@@ -1,0 +1,147 @@
+"""HipBackend's MTP drafts without a GPU (hip/mtp.py): the MTP pass recorded on a runtime that
+runs nothing (every launch checked against its kernel's parameters), the weights it reads, the
+pure planning of a draft call into passes, and the bookkeeping of draft / snapshots. The drafts'
+bits against the reference: tests/gpu/test_hip_mtp.py."""
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+import pytest
+
+import ds4ref
+from ds4ref.backend import DraftRequest, Row, StepPlan
+from ds4ref.gguf.mtp import mtp_tensor_shapes
+from ds4ref.hip.backend import HipBackend
+from ds4ref.hip.device_weights import mtp_device_names
+from ds4ref.hip.mtp import first_pass, last_position, next_pass
+from ds4ref.hip.op_cases import CASES
+from test_hip_program import rt  # noqa: F401 - the fixture
+from test_op_cases import END_TO_END
+
+
+@pytest.fixture(scope="module", params=["official", "plain"])
+def model(request):
+    return ds4ref.load(numerics=request.param)
+
+
+def backend_with_mtp(model, rt, n_slots=4, n_pages=16):
+    b = HipBackend(model.reference, runtime=rt, mtp=model.mtp)
+    b.configure(n_slots, n_pages)
+    return b
+
+
+def test_device_names_cover_the_block(model):
+    mcfg = model.mtp.config
+    names = mtp_device_names(mcfg)
+    assert sorted(names.values()) == sorted(mtp_tensor_shapes(mcfg))
+    assert names["output_hc_fn.weight"] == "mtp.0.hc_head_fn.weight" and names["blk.0.attn_kv.weight"] == \
+        "mtp.0.attn_kv.weight" and names["output_norm.weight"] == "mtp.0.norm.weight"
+
+
+def test_mtp_pass_records_one_sliding_window_layer(model, rt):
+    b = backend_with_mtp(model, rt)
+    m = b.mtp
+    assert sorted(m.programs) == list(b.buckets) == [16, 32, 64, 128, 256]
+    for L, program in m.programs.items():
+        for kernel, _grid, _block, args, _shared in program.ops:
+            kernel.signature.check(args)
+        names = [k.name for k, *_ in program.ops]
+        assert names[0] == "step_gather_rows" and "step_add_rows" in names and "step_ring_commit" in names
+        assert not any(n.startswith(("step_comp_", "step_indexer", "ds4_topk", "step_hash")) for n in names), \
+            "the MTP layer is ratio 0, routed by scores"
+        assert names[-1] == "ds4_argmax"
+    ops = m.programs[16].ops
+    # the head: the MTP's own hc head and norm, the main model's output matrix and embedding
+    assert id(m.w.mat("output_hc_fn.weight").buf) in {id(a) for *_, args, _s in ops for a in args}
+    assert m.w.mat("output_hc_fn.weight").buf is not b.w.mat("output_hc_fn.weight").buf
+    assert m.w.tensor("output.weight") is b.w.tensor("output.weight")
+    assert m.w.tensor("token_embd.weight") is b.w.tensor("token_embd.weight")
+    embed = [args for k, *_, args, _s in ops if k.name == "step_embed"]
+    assert len(embed) == 1 and int(embed[0][3]) == 1  # one embedding row a lane, not hc streams
+    # every kernel it runs has an op twin or is among the end-to-end ones
+    ran = {k.name for p in m.programs.values() for k, *_ in p.ops}
+    twinned = {n for n in ran if any(fnmatch.fnmatch(n, pat) for c in CASES for pat in c.kernels)}
+    assert ran - twinned <= END_TO_END, sorted(ran - twinned - END_TO_END)
+    assert "step_add_rows" in twinned
+
+
+def test_draft_plans():
+    streams_at = {(0, 5): 3, (0, 6): 4, (0, 7): 5, (2, 0): 0}
+    reqs = [DraftRequest(0, (6, 7), (11, 12), 3), DraftRequest(2, (0,), (13,), 0)]
+    p = first_pass(reqs, streams_at, 4, 100)
+    assert [(r.slot, r.position, r.token, r.emit) for r in p.rows] == \
+        [(0, 6, 11, False), (0, 7, 12, True), (2, 0, 13, False)]
+    assert p.src == [4, 5, 0] and p.owner == [0] and p.emitting_lanes() == [1]
+    q = next_pass(reqs, 1, [[40], []], p)
+    assert [(r.slot, r.position, r.token, r.emit) for r in q.rows] == [(0, 8, 40, True)]
+    assert q.src == [1] and q.owner == [0]
+    r = next_pass(reqs, 2, [[40, 41], []], q)
+    assert [(x.position, x.token) for x in r.rows] == [(9, 41)] and r.src == [0]
+    assert not next_pass(reqs, 3, [[40, 41, 42], []], r).rows
+    assert last_position(reqs) == 9
+    bad = [([DraftRequest(0, (6, 7), (1,), 1)], "positions and"),
+           ([DraftRequest(0, (6, 8), (1, 2), 1)], "not consecutive"),
+           ([DraftRequest(0, (4, 5), (1, 2), 1)], "not a row of the last step"),
+           ([DraftRequest(0, (6,), (100,), 1)], "out of range"),
+           ([DraftRequest(0, (6,), (1,), 1), DraftRequest(0, (7,), (1,), 1)], "two requests"),
+           ([DraftRequest(9, (6,), (1,), 1)], "slot 9 out of range"),
+           ([DraftRequest(0, (), (), 1)], "0 positions"),
+           ([DraftRequest(0, (6,), (1,), -1)], "k = -1")]
+    for requests, match in bad:
+        with pytest.raises(ValueError, match=match):
+            first_pass(requests, streams_at, 4, 100)
+
+
+def test_draft_runs_a_pass_then_one_per_further_draft(model, rt):
+    b = backend_with_mtp(model, rt)
+    for s in range(3):
+        b.reset_slot(s)
+        b.set_block_table(s, [4 * s, 4 * s + 1])
+    b.step(StepPlan.from_rows([Row(0, p, 5) for p in range(30)] + [Row(1, 0, 3), Row(2, 0, 4)], b.max_pass_rows))
+    before = len(rt.launches)
+    drafts = b.draft([DraftRequest(0, tuple(range(30)), (7,) * 30, 3), DraftRequest(1, (0,), (8,), 0),
+                      DraftRequest(2, (0,), (9,), 2)])
+    ran = [k for k, _ in rt.launches[before:]]
+    # 32 rows: the 32-lane program, then two one-row-per-request passes in the 16-lane one
+    want = [op[0].handle for op in b.mtp.programs[32].ops] + 2 * [op[0].handle for op in b.mtp.programs[16].ops]
+    assert ran == want
+    # the recording runtime's download of row e reads e: emitting rows in lane order
+    assert [d.tolist() for d in drafts] == [[0, 0, 0], [], [1, 1]]  # pass 2 holds slots 0 and 2
+    assert all(d.dtype == np.int32 for d in drafts)
+    with pytest.raises(RuntimeError, match="once after each step"):
+        b.draft([DraftRequest(1, (0,), (8,), 1)])
+    assert b.draft([]) == []
+    b.step(StepPlan.from_rows([Row(1, 1, 8)], b.max_pass_rows))
+    with pytest.raises(ValueError, match="RoPE table"):
+        b.draft([DraftRequest(1, (1,), (8,), b._rope_rows)])
+    assert b._streams_at is not None  # a refused call leaves the streams for the next one
+
+
+def test_snapshots_carry_the_mtp_ring_and_restore_leaves_it(model, rt):
+    b = backend_with_mtp(model, rt)
+    b.reset_slot(0)
+    b.set_block_table(0, [0, 1])
+    b.step(StepPlan.from_rows([Row(0, p, 5) for p in range(10)], b.max_pass_rows))
+    sid = b.save_state(0)
+    assert set(b.mtp.state.snapshots) == {b._mtp_snapshots[sid]}
+    b.step(StepPlan.from_rows([Row(0, 10, 5)], b.max_pass_rows))
+    copies = []
+    rt.d2d = lambda dst, src, n: copies.append(n)
+    b.restore_state(0, sid)
+    assert b.state.next_pos[0] == 10 and b.state.tables[0].tolist() == [0, 1]
+    assert sum(copies) == sum(nb for *_, nb in b.state._slot_regions(0))  # the main state only
+    b.reset_slot(1)
+    copies.clear()
+    b.load_state(1, sid, [0])
+    assert sum(copies) == sum(nb for *_, nb in b.state._slot_regions(1)) + b.mtp.state.ring_slot_bytes
+    b.drop_state(sid)
+    assert not b.mtp.state.snapshots and not b._mtp_snapshots
+
+
+def test_without_mtp_there_is_no_draft(model, rt):
+    b = HipBackend(model.reference, runtime=rt)
+    assert not hasattr(b, "draft") and hasattr(b, "restore_state") and b.mtp is None
+    b.configure(2, 8)
+    sid = b.save_state(0)
+    b.drop_state(sid)
