@@ -119,7 +119,8 @@ class DraftRequest:
     a chained step at q + i overwrites the row of q + i - W, which the next fed positions still
     read. The MTP state is then always the one computed from the main model's streams, and
     restore_state leaves it alone (the engine never feeds a position to the MTP block twice).
-    load_state starts it over (the engine feeds from the snapshot's position on).
+    save_state / load_state carry it: a slot loaded from the prefix cache drafts from the MTP
+    window of the positions it skips.
     k = 0 only feeds the state (intermediate prompt chunks)."""
     slot: int
     positions: tuple[int, ...]

@@ -196,8 +196,8 @@ class HipBackend:
         self._need_state().set_block_table(slot, pages)
 
     # A snapshot holds the MTP ring too, so a slot loaded from the prefix cache drafts from the
-    # MTP window of the positions it skips; restore_state leaves the MTP ring as it is (its rows
-    # of positions fed again are rewritten before they are read: backend.DraftRequest).
+    # MTP window of the positions it skips; restore_state leaves the MTP ring as it is
+    # (backend.DraftRequest: no position is fed to the MTP block twice).
     def save_state(self, slot: int) -> int:
         self.rt.bind_thread()
         sid = self._need_state().save_state(slot)
@@ -290,7 +290,10 @@ class HipBackend:
         drafts: list[list[int]] = [[] for _ in requests]
         logits: list[list[np.ndarray]] = [[] for _ in requests]
         p, step = first, 0
+        kept: dict[int, int] = {}
         while p.rows:
+            if step == 1:  # chained steps must leave the MTP window as the fed rows left it
+                kept = {r.slot: self.mtp.state.save_state(r.slot) for r in requests if r.k > 1}
             amax, rows_logits = self._mtp_pass(p, want_logits)
             for e, i in enumerate(p.owner):
                 drafts[i].append(int(amax[e]))
@@ -298,6 +301,9 @@ class HipBackend:
                     logits[i].append(rows_logits[e])
             step += 1
             p = next_pass(requests, step, drafts, p)
+        for slot, sid in kept.items():
+            self.mtp.state.restore_state(slot, sid)
+            self.mtp.state.drop_state(sid)
         return [np.asarray(d, I32) for d in drafts], logits
 
     def _mtp_pass(self, p: MTPPass, want_logits: bool):

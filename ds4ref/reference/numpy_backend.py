@@ -124,12 +124,13 @@ class NumpyBackend:
         self._check_slot(slot)
         comps = {k: copy.deepcopy(c) for k, c in self.comps[slot].items()}
         self._next_snapshot += 1
-        self.snapshots[self._next_snapshot] = (self.rings[slot].copy(), comps, int(self.next_pos[slot]))
+        mtp = self.mtp_states[slot].save() if self.mtp_states else None  # the MTP window rides along
+        self.snapshots[self._next_snapshot] = (self.rings[slot].copy(), comps, int(self.next_pos[slot]), mtp)
         return self._next_snapshot
 
     def load_state(self, slot: int, snapshot: int, pages: Sequence[int]) -> None:
         self._check_slot(slot)
-        ring, comps, position = self.snapshots[snapshot]
+        ring, comps, position, mtp = self.snapshots[snapshot]
         table = np.asarray(pages, np.int64)
         if self.next_pos[slot] or self.block_tables[slot].size:
             raise ValueError(f"slot {slot} must be reset before it loads a snapshot")
@@ -140,6 +141,8 @@ class NumpyBackend:
         self.comps[slot] = {k: copy.deepcopy(c) for k, c in comps.items()}
         self.block_tables[slot] = table
         self.next_pos[slot] = position
+        if mtp is not None:
+            self.mtp_states[slot].load(mtp)
 
     def drop_state(self, snapshot: int) -> None:
         del self.snapshots[snapshot]
@@ -153,7 +156,7 @@ class NumpyBackend:
     # ---- speculative decoding ---------------------------------------------------------
     def restore_state(self, slot: int, snapshot: int) -> None:
         self._check_slot(slot)
-        ring, comps, position = self.snapshots[snapshot]
+        ring, comps, position, _ = self.snapshots[snapshot]  # the MTP window stays (backend.DraftRequest)
         if position > self.next_pos[slot]:
             raise ValueError(f"slot {slot}: snapshot at {position} is ahead of the slot's state at "
                              f"{int(self.next_pos[slot])}")

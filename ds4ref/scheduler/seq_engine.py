@@ -470,7 +470,8 @@ class SeqEngine:
                 self.spec_totals["spec_off"] += 1
         if accepted == k:
             s.fed += w.rows
-        elif not s.done:  # rows past the last accepted one hold a refused draft's state
+        else:  # rows past the last accepted one hold a refused draft's state; a finished sequence
+            # is put back too, as its tail (prefix cache) is cached at `fed`
             self.backend.restore_state(s.slot, snap)
         s.drafts = []
         return choices
