@@ -47,8 +47,11 @@ class TimedDrafter:
 def decode_run(model, backend: str, reqs: list[Request], C: int, k: int = 0, make_drafter=None, min_rate=None):
     """(outputs, decode tok/s, decode passes, engine, timed drafter): the decode phase timed.
     make_drafter(backend) builds the drafter over the run's own backend."""
+    # a pool for these requests alone: the default (every slot at full context) is more device
+    # memory than Flash's weights leave
+    pool = C * (max(len(r.prompt_ids) for r in reqs) + max(r.max_new_tokens for r in reqs) + 256)
     eng = Engine(model, max_concurrency=C, backend=backend, speculative_tokens=k, prefix_cache=False,
-                 drafter=TimedDrafter(None) if k else None, spec_min_rate=min_rate)
+                 drafter=TimedDrafter(None) if k else None, spec_min_rate=min_rate, kv_pool_tokens=pool)
     timed = None
     if k:
         timed = eng.seq_engine.drafter = TimedDrafter(make_drafter(eng.seq_engine.backend))
@@ -79,8 +82,8 @@ def synthetic(which: str):
     from ..hip.backend import HipBackend
     rt, cfg, dw, ref, what = mod.make_model(which == "full")
     print(what, flush=True)
-    return SimpleNamespace(config=cfg, mtp=None,
-                           make_backend=lambda name=None: HipBackend(ref, runtime=rt, device_weights=dw))
+    backend = HipBackend(ref, runtime=rt, device_weights=dw)  # each run's configure() releases the last's state
+    return SimpleNamespace(config=cfg, mtp=None, make_backend=lambda name=None: backend)
 
 
 def parse_draft(text: str):
