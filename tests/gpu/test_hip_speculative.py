@@ -1,0 +1,65 @@
+"""Speculative decoding on the device (marker gpu): the HIP backend drafting with the embedded
+tiny model's MTP block (random: nearly every round refuses a draft and rolls back through
+restore_state) and with an oracle (mostly right: long accepted runs), against plain decoding
+on the NumPy reference, in both numerics: the same tokens, logprobs (bit for bit) and finish
+reasons. Prompts reach the ratio-128 window and the indexer's top-k, decoding crosses page and
+compression boundaries, three requests share the passes (one sampled with penalties), and the
+prefix cache is on or off. Skipped with the reason when no GPU runtime opens."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ds4ref
+from ds4ref.reference.numpy_backend import NumpyBackend
+from ds4ref.scheduler.engine import Engine
+from ds4ref.scheduler.request import Request, Sampling, TokenEvent
+from ds4ref.scheduler.speculative import OracleDrafter
+
+pytestmark = pytest.mark.gpu
+EXAMPLES = int(os.environ.get("DS4REF_GPU_EXAMPLES", "8"))
+
+
+@pytest.fixture(scope="module", params=["official", "plain"])
+def model(request):
+    return ds4ref.load(numerics=request.param)
+
+
+def trace(eng: Engine, ids):
+    ev = {i: [] for i in ids}
+    for e in eng.events:
+        if isinstance(e, TokenEvent):
+            ev[e.req_id].append((e.token, None if e.logprob is None else np.float32(e.logprob).view(np.uint32).item(),
+                                 e.top_logprobs))
+    return ev, sorted((f.req_id, f.reason, f.completion_tokens) for f in eng.finishes)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(k=st.integers(1, 4), seed=st.integers(0, 1000), n=st.integers(118, 300), cache=st.booleans(),
+       rate=st.sampled_from([None, 0.5, 0.9]))
+def test_speculation_on_the_device_changes_no_bit(model, rt, k, seed, n, cache, rate):
+    from ds4ref.hip.backend import HipBackend
+    V = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, V, m).tolist() for m in (n, n - 37, 130)]
+
+    def reqs():
+        return [Request(prompts[0], 24, ignore_eos=True, req_id=1000),
+                Request(prompts[1], 20, req_id=1001,
+                        sampling=Sampling(temperature=0.8, seed=seed, logprobs=2, repetition_penalty=1.1)),
+                Request(prompts[2], 16, ignore_eos=True, req_id=1002, sampling=Sampling(logprobs=1))]
+    ids = [1000, 1001, 1002]
+    plain = Engine(model, 3, backend=NumpyBackend(model.reference), prefix_cache=False)
+    plain.run(reqs())
+    want = trace(plain, ids)
+    truth = {i: [t for t, _, _ in want[0][i]] for i in ids}
+    drafter = None if rate is None else OracleDrafter(truth, rate, V, seed)
+    eng = Engine(model, 3, backend=HipBackend(model.reference, runtime=rt, mtp=model.mtp), prefix_cache=cache,
+                 speculative_tokens=k, drafter=drafter, spec_min_rate=0.0)
+    eng.run(reqs())
+    assert trace(eng, ids) == want
+    assert eng.scheduler.stats()["spec_rounds"] > 0
