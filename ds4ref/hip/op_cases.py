@@ -729,7 +729,7 @@ CASES: tuple[OpCase, ...] = (
     OpCase("swiglu_act_q8", ("ds4_swiglu_act_q8",), g.swiglu_act_q8, ref_swiglu_act_q8, make_swiglu_act_q8,
            dict(kb=range(1, 81), clamp=[1.0, 10.0, 1e30], special=["none", "zero", "nan"]), "prompt",
            compare="bits, any NaN"),
-    OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qmm_*"), g.qmatvec,
+    OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qmm_*", "ds4_qgemm_*"), g.qmatvec,
            lambda x, raw, wtype: canon_qlinear(x, raw, wtype), _make_qmatvec,
            dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qmatvec),
     OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,

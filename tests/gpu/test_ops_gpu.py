@@ -238,3 +238,15 @@ def test_qmm_every_type(rt, wtype):
     crowd = g.qmatvec(raw, wtype, x, rt=rt, mma=True)
     assert same_bits(crowd, canon_qlinear(x, raw, wtype))
     assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
+
+
+@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+def test_qgemm_every_type(rt, wtype):
+    """The tiled GEMM (ds4_qgemm_*: §2a's partial chains walked in the butterfly's post-order):
+    bitwise the reference and the decode kernel, with partial 16-row groups and 64-row tiles,
+    weight rows past a 64-row tile, and K past 32 blocks. The backend takes it once this passes."""
+    raw = make_weight(11, 70, 2048 + 256, wtype)[0]
+    x = rnd(12, 77, 2048 + 256)
+    crowd = g.qmatvec(raw, wtype, x, rt=rt, gemm=True)
+    assert same_bits(crowd, canon_qlinear(x, raw, wtype))
+    assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
