@@ -14,7 +14,7 @@ from ds4ref import settings
 from ds4ref.gguf import file as gguf_file
 from ds4ref.paging.layout import PageLayout
 from ds4ref.paging.prefix import SNAPSHOTS_PER_SLOT
-from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, weight_bytes
+from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, size, weight_bytes
 from ds4ref.serve.__main__ import byte_size, main
 
 # ---- Flash, from the spec's formulas (DS4_SPEC §1, §7.2) -----------------------------------------------------
@@ -82,6 +82,9 @@ def test_the_plan_is_what_numpy_backend_allocates(tiny_model_path):
         ring_row = {"official": 64 + 1 + 3 + 4 * 32, "plain": 4 * 96}[numerics]  # tiny: D 96, 32 RoPE dims
         assert b.rings.nbytes == 3 * 6 * 16 * ring_row == plan.lanes * plan.layout.ring_rows() * ring_row
         assert 0 < comps <= plan.lanes * plan.layout.compressor_elements() * 4
+        # the tiny model carries an MTP block: its window rings, a lane each, in the working float
+        assert b.mtp is not None and plan.draft > 0
+        assert sum(m.rings.nbytes for m in b.mtp_states) == plan.draft
         assert "memory plan: " in state.plan and b.storage == plan.storage
         state.runner.stop()
 
@@ -133,11 +136,12 @@ def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
     out, err = capsys.readouterr()
     assert "total" in out  # the table still shows what it would take
     (line,) = err.strip().splitlines()
-    # 14.7 MiB of weights (the MTP block's included) and state, and 16 lanes x 8 prefix-cache
-    # snapshots of 250.4 KiB
-    assert line.startswith("ds4ref.serve: error: the memory plan needs 46.0 MiB but --memory-budget is 4.0 MiB:")
+    # 14.7 MiB of weights (the MTP block's included) and state, 16 lanes x the MTP block's ring
+    # (16 rows x 96 floats, 6 KiB), and 16 lanes x 8 prefix-cache snapshots of 250.4 KiB + that ring
+    assert line.startswith("ds4ref.serve: error: the memory plan needs 46.9 MiB but --memory-budget is 4.0 MiB:")
     assert "paged history" in line and "per-lane state" in line and "--max-concurrency" in line
-    assert "31.3 MiB of prefix-cache snapshots (--no-prefix-cache drops them)" in line
+    assert "32.0 MiB of prefix-cache snapshots (--no-prefix-cache drops them)" in line
+    assert f"{size(16 * 16 * 96 * 4)} of MTP block state" in line
     assert main(["--dry-run", "--memory-budget", "1M"]) == 2
     assert "the weights alone need 3.4 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
 
@@ -227,9 +231,13 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
     model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, None, 300)
     assert plan.workspace > 0 and plan.workspace_rows == PREFILL_ROWS
     assert plan.storage == ("compact" if (numerics, compact_kv) == ("official", "1") else "f32")
+    model = from_file(model_file, numerics=numerics)
+    assert model.mtp is not None and plan.draft > 0  # the tiny model's MTP block: its state is counted
     rt = HostRuntime()
-    backend = HipBackend(from_file(model_file, numerics=numerics).reference, runtime=rt)
+    backend = HipBackend(model.reference, runtime=rt, mtp=model.mtp)
     assert backend.compact == (plan.storage == "compact")
+    assert backend.mtp.bytes_needed(plan.lanes, plan.n_pages, plan.page_tokens, PREFILL_ROWS,
+                                    backend.compact) == plan.draft
     uploaded = rt.allocated
     with pytest.raises(_Recorded):
         backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
@@ -247,7 +255,7 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
         free += 1
     for fits, have in ((True, free), (False, free - 1)):
         rt = HostRuntime(have)
-        backend = HipBackend(from_file(model_file, numerics=numerics).reference, runtime=rt)
+        backend = HipBackend(model.reference, runtime=rt, mtp=model.mtp)
         uploaded = rt.allocated
         with pytest.raises(_Recorded if fits else DeviceMemoryError):
             backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)

@@ -104,6 +104,14 @@ def last_position(requests: Sequence[DraftRequest]) -> int:
 # ---------------------------------------------------------------------------
 
 
+def device_bytes(mcfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool) -> int:
+    """What MTPDevice.configure allocates for the one-layer MTP config mcfg: the rings, the lane
+    fields and the pass buffers (the memory plan's 'MTP block' row on hip, and configure's check)."""
+    n = max_pass_rows
+    return (DeviceState.bytes_needed(mcfg, n_slots, n_pages, page_tokens, compact) + 4 * n * 16
+            + 4 * n * (4 * mcfg.hc_mult * mcfg.n_embd + 3 * mcfg.n_embd + 1))
+
+
 class MTPDevice:
     """The MTP block's weights, per-slot state (its raw window ring: a one-layer DeviceState),
     pass buffers and recorded programs, one per capacity bucket of the backend."""
@@ -119,10 +127,7 @@ class MTPDevice:
         self._q8: K.Q8Rows | None = None
 
     def bytes_needed(self, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool) -> int:
-        """What configure allocates: the rings, the lane fields and the pass buffers (upper bound)."""
-        c, n = self.cfg, max_pass_rows
-        return (DeviceState.bytes_needed(c, n_slots, n_pages, page_tokens, compact) + 4 * n * 16
-                + 4 * n * (4 * c.hc_mult * c.n_embd + 3 * c.n_embd + 1))
+        return device_bytes(self.cfg, n_slots, n_pages, page_tokens, max_pass_rows, compact)
 
     def configure(self, backend, n_slots: int, n_pages: int, page_tokens: int) -> None:
         """State and buffers for `backend`'s slots and largest pass; the backend records the

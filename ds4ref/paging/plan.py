@@ -39,6 +39,8 @@ class MemoryPlan:
     workspace: int = 0  # the backend's allocations beside weights and state (hip: pass_workspace)
     workspace_rows: int = 0  # the largest pass the workspace serves
     snapshots: int = 0  # prefix-cache snapshots held at most (0: no cache); its pages are the pool's
+    mtp_slot: int = 0   # one lane's MTP window ring (0: no MTP block); a snapshot carries one too
+    draft: int = 0      # the MTP block's per-lane window rings (and on hip its pass buffers)
 
     @property
     def layout(self) -> PageLayout:
@@ -58,12 +60,13 @@ class MemoryPlan:
 
     @property
     def snapshot_bytes(self) -> int:
-        """The prefix cache's share beside the pool: each snapshot is one slot's fixed state."""
-        return self.snapshots * self.per_slot
+        """The prefix cache's share beside the pool: each snapshot is one slot's fixed state
+        (and its MTP window ring)."""
+        return self.snapshots * (self.per_slot + self.mtp_slot)
 
     @property
     def total(self) -> int:
-        return self.weights + self.paged + self.slots + self.workspace + self.snapshot_bytes
+        return self.weights + self.paged + self.slots + self.workspace + self.snapshot_bytes + self.draft
 
     def bytes_per_token(self, storage: str) -> float:
         """Paged history per token of context (the raw ring is per slot, not per token)."""
@@ -71,10 +74,20 @@ class MemoryPlan:
 
 
 def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool_tokens: Optional[int],
-              storage: str, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True) -> MemoryPlan:
+              storage: str, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True,
+              mtp_storage: Optional[str] = None) -> MemoryPlan:
+    """mtp_storage: how the backend holds the MTP block's window rows (None: no MTP block)."""
+    mtp_slot = mtp_slot_bytes(config, mtp_storage, page_tokens) if mtp_storage else 0
     return MemoryPlan(config, weights, lanes, context,
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens,
-                      snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0)
+                      snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0,
+                      mtp_slot=mtp_slot, draft=lanes * mtp_slot)
+
+
+def mtp_slot_bytes(config: DS4Config, storage: str, page_tokens: int = PAGE_TOKENS) -> int:
+    """One lane's MTP window ring: the one-layer MTP config's fixed slot state (gguf.mtp)."""
+    from ..gguf.mtp import mtp_config
+    return PageLayout(mtp_config(config), page_tokens).slot_bytes(storage)
 
 
 def weight_bytes(model_file) -> int:
@@ -109,6 +122,7 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
     work = f" and {size(plan.workspace)} of pass workspace" if plan.workspace else ""
     work += (f", {size(plan.snapshot_bytes)} of prefix-cache snapshots (--no-prefix-cache drops them)"
              if plan.snapshots else "")
+    work += f", {size(plan.draft)} of MTP block state" if plan.draft else ""
     raise PlanError(
         f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
         f"{size(plan.weights)}, {size(plan.paged)} of paged history ({plan.n_pages} pages) for "
@@ -120,8 +134,10 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
 def summary(plan: MemoryPlan) -> str:
     """The banner's line."""
     work = f" + pass workspace {size(plan.workspace)}" if plan.workspace else ""
-    cache = (f" + prefix-cache snapshots {plan.snapshots} x {size(plan.per_slot)} (cached pages share the pool)"
+    cache = (f" + prefix-cache snapshots {plan.snapshots} x {size(plan.per_slot + plan.mtp_slot)} "
+             f"(cached pages share the pool)"
              if plan.snapshots else "")
+    cache += f" + MTP block state {size(plan.draft)}" if plan.draft else ""
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
             f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
             f"per-slot state {plan.lanes} x {size(plan.per_slot)}{work}{cache}")
@@ -136,8 +152,11 @@ def table(plan: MemoryPlan, available: str) -> str:
             ("per-slot state", plan.slots, f"{plan.lanes} lanes x {plan.per_slot:,} B"),
             *([("pass workspace", plan.workspace, f"the {plan.workspace_rows}-row pass's buffers, RoPE tables, "
                                                   f"block tables, lane fields")] if plan.workspace else []),
-            *([("prefix cache", plan.snapshot_bytes, f"at most {plan.snapshots} snapshots x {plan.per_slot:,} B; "
+            *([("prefix cache", plan.snapshot_bytes, f"at most {plan.snapshots} snapshots x "
+                                                     f"{plan.per_slot + plan.mtp_slot:,} B; "
                                                      f"cached pages are the pool's own")] if plan.snapshots else []),
+            *([("MTP block", plan.draft, f"its window rings for {plan.lanes} lanes (and the hip backend's "
+                                         f"draft pass buffers); its weights are in 'weights'")] if plan.draft else []),
             ("total", plan.total, "")]
     out = [f"{name:<16}{n:>14,}  {size(n):>10}  {note}".rstrip() for name, n, note in rows]
     return "\n".join([*out, f"{'available':<16}{available}", "", *storage_lines(plan)])

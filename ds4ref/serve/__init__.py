@@ -32,7 +32,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     from .runner import Runner
 
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache)
+                                  max_batched_rows, prefix_cache, mtp)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
     model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp)
     context = plan.context
@@ -65,7 +65,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
 
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
                kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
-               prefix_cache: bool = True):
+               prefix_cache: bool = True, mtp: Optional[str] = None):
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
@@ -88,12 +88,27 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     if max_context is not None and not 1 < max_context <= model_context:
         raise ValueError(f"--max-context must be in 2..{model_context} (the model's context length), "
                          f"got {max_context}")
-    # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32)
-    plan = make_plan(model_file.config, weight_bytes(model_file), max_concurrency, max_context or model_context,
-                     kv_pool_tokens, kv_storage(backend, numerics), prefix_cache=prefix_cache)
+    # what SeqEngine will allocate: the same pool_pages, the backend's row storage (serving is float32);
+    # an MTP block (in the file, or --mtp's) adds its weights and a window ring a lane (the numpy
+    # backend keeps those rings in the working float)
+    weights = weight_bytes(model_file)
+    if mtp is not None:
+        from ..gguf.file import MTPFile
+        weights += sum(t.n_bytes for t in MTPFile(mtp).tensors.values())
+    has_mtp = mtp is not None or model_file.mtp_block is not None
+    storage = kv_storage(backend, numerics)
+    plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
+                     kv_pool_tokens, storage, prefix_cache=prefix_cache,
+                     mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
+        from dataclasses import replace
+        from ..gguf.mtp import mtp_config
+        from ..hip.mtp import device_bytes
         from ..hip.workspace import with_pass_workspace
         plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
+        if has_mtp:
+            plan = replace(plan, draft=device_bytes(mtp_config(model_file.config), plan.lanes, plan.n_pages,
+                                                    plan.page_tokens, PREFILL_ROWS, storage == "compact"))
     return model_file, plan
 
 
@@ -124,11 +139,11 @@ def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
 def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
             kv_pool_tokens: Optional[int], max_context: Optional[int],
             memory_budget: Optional[int], max_batched_rows: Optional[int] = None,
-            prefix_cache: bool = True) -> tuple[str, Optional[str]]:
+            prefix_cache: bool = True, mtp: Optional[str] = None) -> tuple[str, Optional[str]]:
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache)
+                                  max_batched_rows, prefix_cache, mtp)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)

@@ -180,7 +180,8 @@ def _dry_run(args) -> int:
     from . import dry_run
     try:
         text, refusal = dry_run(args.model, args.backend, args.numerics, args.max_concurrency, args.kv_pool_tokens,
-                                args.max_context, args.memory_budget, args.max_batched_rows, args.prefix_cache)
+                                args.max_context, args.memory_budget, args.max_batched_rows, args.prefix_cache,
+                                args.mtp)
     except Exception as e:  # a bad flag combination, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2
