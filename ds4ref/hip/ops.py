@@ -30,7 +30,7 @@ K_QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")  # rows per warp 1 or 2
 _SOURCES = {
     "norm": "norm.hip", "quant": "quant.hip", "matvec": "matvec.hip",
     "pool": "pool.hip", "indexer": "indexer.hip", "moe": "moe.hip",
-    "hc": "hc.hip", "qdot": "qdot.hip", "step_ops": "step_ops.hip", "step_state": "step_state.hip",
+    "hc": "hc.hip", "qdot": "qdot.hip", "qgemm": "qgemm.hip", "step_ops": "step_ops.hip", "step_state": "step_state.hip",
 }
 
 
@@ -929,24 +929,24 @@ def qmatvec_rows_per_warp(rows: int) -> int:
 
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
                    Wx: int | None = None, xg: int = 0, ldy: int | None = None,
-                   lane_slot: DeviceBuffer | None = None, mma: bool = False, gemm: bool = False) -> None:
+                   lane_slot: DeviceBuffer | None = None, gemm: bool = False) -> None:
     """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide);
-    mma: the MMA kernel for every type past MMA_ROWS rows (the twins check them all); gemm: the
-    tiled MMA GEMM (ds4_qgemm_*) there instead, which the backend does not take until its twin
-    has passed on a GPU."""
+    gemm: past MMA_ROWS rows the tiled MMA GEMM (qgemm.hip), which the backend does not take
+    until its twin has passed on a GPU."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
+    file = "qdot"
     if L > MMA_ROWS and gemm:
         grid = (_blocks(n, 64), _blocks(L, 64), groups)
-        name = f"ds4_qgemm_{w.wtype}"
-    elif L > MMA_ROWS and (w.wtype in MMA_WTYPES or mma):  # the same integers, the same order after
+        file, name = "qgemm", f"ds4_qgemm_{w.wtype}"
+    elif L > MMA_ROWS and w.wtype in MMA_WTYPES:  # the same integers, the same order after
         grid = (_blocks(n, 16), _blocks(L, 32), groups)
         name = f"ds4_qmm_{w.wtype}"
     else:
         r = qmatvec_rows_per_warp(n)
         grid = (_blocks(n, 8 * r), groups, lane_groups(L))
         name = f"ds4_qmatvec_{w.wtype}_r{r}"
-    rt.launch(kernel(rt, "qdot", name), grid,
+    rt.launch(kernel(rt, file, name), grid,
               (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
                        I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
 
@@ -958,9 +958,9 @@ def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, 
                I32(N), I32(K), I32(kk)))
 
 
-def qmatvec(raw, wtype: str, x, rt=None, mma: bool = False, gemm: bool = False):
+def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = False):
     """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N); the backend's
-    kernel for L rows, or with mma the MMA kernel of every type past MMA_ROWS rows."""
+    kernel for L rows, or with gemm the tiled GEMM past MMA_ROWS rows."""
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     L, K = x.shape
@@ -972,7 +972,7 @@ def qmatvec(raw, wtype: str, x, rt=None, mma: bool = False, gemm: bool = False):
         with _Scope(rt) as s:
             y = s.out((L, dw.rows))
             launch_quantize_q8(rt, s.up(x), q, L, K)
-            launch_qmatvec(rt, dw, q, y, L, mma=mma, gemm=gemm)
+            launch_qmatvec(rt, dw, q, y, L, gemm=gemm)
             return s.get(y, (L, dw.rows))
     finally:
         dw.buf.free()

@@ -229,18 +229,6 @@ def test_qmatvec_batch_invariance(rt, wtype):
 
 
 @pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
-def test_qmm_every_type(rt, wtype):
-    """The MMA kernel of prompt passes, built for every type though the backend takes it only
-    where it is faster (ops.MMA_WTYPES): bitwise the reference and the decode kernel, with a
-    partial 16-row group, weight rows past a 16-row tile and K past 32 blocks."""
-    raw = make_weight(9, 40, 2048 + 256, wtype)[0]
-    x = rnd(10, 45, 2048 + 256)
-    crowd = g.qmatvec(raw, wtype, x, rt=rt, mma=True)
-    assert same_bits(crowd, canon_qlinear(x, raw, wtype))
-    assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
-
-
-@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
 def test_qgemm_every_type(rt, wtype):
     """The tiled GEMM (ds4_qgemm_*: §2a's partial chains walked in the butterfly's post-order):
     bitwise the reference and the decode kernel, with partial 16-row groups and 64-row tiles,

@@ -1,0 +1,218 @@
+// ds4_qblock.h - one weight block of a quantised product as uniform integer codes, and the
+// int8 MMA step: what qdot.hip's kernels and qgemm.hip share (docs/exactness.md §2a).
+#pragma once
+#include "ds4_mv3.h"
+#include "ds4_q8.h"
+
+__device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
+#if DS4_IS_HIP
+#if defined(__gfx11__) || defined(__gfx12__)
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#else
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#endif
+#else
+    return __dp4a(a, b, c);
+#endif
+}
+
+// Rows x (rows, ldx floats apart), K columns each: xq (rows, K) int8, dx (rows, K/32) and the
+// half sums xs (rows, K/16), one thread per element and one warp per block (ds4_q8.h).
+extern "C" __global__ void ds4_quantize_q8(const float* __restrict__ x, long long ldx, int K, int rows,
+                                           ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)rows * K) return;  // K % 32 == 0: a warp's lanes leave together
+    long long r = e / K;
+    int c = (int)(e % K), b = c / QB;
+    ds4_q8_warp(x[r * ldx + c], xq + r * K + (long long)b * QB, dx + r * (K / QB) + b, xs + r * (K / 16) + 2 * b);
+}
+
+// One weight block as the uniform codes: 32 int8 codes in 8 words, the integer multipliers
+// and mins of its two 16-column halves, and its two float scales (ds4ref.quant_codes.quant_codes).
+struct QBlock {
+    int c[8];
+    int mul0, mul1, mn0, mn1;
+    float s1, s2;
+};
+
+template <int WT>
+struct QHasMin { static const bool value = WT == WT_Q2_K || WT == WT_Q4_K; };
+
+// IQ2_XXS's grid and sign patterns as packed int8 words, built in shared memory once per
+// block: a group of 8 codes is then two table reads and four word operations instead of
+// unpacking 16 bits of grid and 8 sign bits element by element (the unpacking cost more
+// than the weight reads). vals[i]: the 8 magnitudes of grid row i (8, 25 or 43), one byte
+// each; signs[s]: 0xff in byte e where ggml's ksigns_iq2xs[s] negates element e (bit 7 makes
+// the parity even). A byte g of vals is negated as (g ^ 0xff) + 1, which cannot carry out
+// of its byte for g in 1..127, so (v ^ m) + (m & 0x01010101) applies a word's signs exactly.
+struct Iq2Tables {
+    uint2 vals[256];
+    uint2 signs[128];
+};
+
+__device__ __forceinline__ void iq2_tables_fill(Iq2Tables* t) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        ds4_u32 grid = DS4_IQ2XXS_GRID[i], word[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            ds4_u32 c = (grid >> (2 * e)) & 3u;
+            word[e / 4] |= (c == 0u ? 8u : c == 1u ? 25u : c == 2u ? 43u : 0u) << (8 * (e % 4));  // no row holds code 3
+        }
+        t->vals[i] = make_uint2(word[0], word[1]);
+    }
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+        ds4_u32 sg = (ds4_u32)i | ((ds4_u32)(__popc(i) & 1) << 7), m[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if ((sg >> e) & 1u) m[e / 4] |= 0xffu << (8 * (e % 4));
+        t->signs[i] = make_uint2(m[0], m[1]);
+    }
+}
+
+// Block b (columns 32b .. 32b+31) of the row at rp (K columns), decoded to QBlock.
+template <int WT>
+__device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, int b, QBlock& q,
+                                        const Iq2Tables* iq2) {
+    if (WT == WT_Q8_0) {
+        const uint4* p = (const uint4*)(rp + (long long)b * 32);
+        uint4 a = p[0], c = p[1];
+        q.c[0] = a.x; q.c[1] = a.y; q.c[2] = a.z; q.c[3] = a.w;
+        q.c[4] = c.x; q.c[5] = c.y; q.c[6] = c.z; q.c[7] = c.w;
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_MXFP4) {  // byte i: element i in the low nibble, element i + 16 in the high
+        uint4 a = *(const uint4*)(rp + (long long)b * 16);
+        ds4_u32 by[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            ds4_u32 lo = 0, hi = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                ds4_u32 byte = (by[k] >> (8 * e)) & 0xffu;
+                lo |= ((ds4_u32)(int)mv3_e2m1_doubled(byte & 0xfu) & 0xffu) << (8 * e);
+                hi |= ((ds4_u32)(int)mv3_e2m1_doubled(byte >> 4) & 0xffu) << (8 * e);
+            }
+            q.c[k] = (int)lo;
+            q.c[4 + k] = (int)hi;
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = mv3_e8m0_half(rp[K / 2 + b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_IQ2_XXS) {  // group l of 8 columns: grid row (aux0 byte l), signs (aux1 >> 7l)
+        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
+        ds4_u32 aux0 = sub.x, aux1 = sub.y;
+        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
+            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
+            q.c[2 * l] = (int)((v.x ^ m.x) + (m.x & 0x01010101u));
+            q.c[2 * l + 1] = (int)((v.y ^ m.y) + (m.y & 0x01010101u));
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s2 = 0.0f;
+    } else if (WT == WT_Q2_K) {  // [K/32 x 8 code bytes][K/16 scales][K/256 x (d, dmin)]: ops.q2k_block_codes
+        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            q.c[k] = (int)((cw.x >> (2 * k)) & 0x03030303u);
+            q.c[4 + k] = (int)((cw.y >> (2 * k)) & 0x03030303u);
+        }
+        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];  // the block's halves: scales[2b], scales[2b + 1]
+        q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
+        q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
+        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    } else {  // Q4_K: d, dmin, scales[12], qs[128]; block j of 8 = nibble j%2 of the 32 bytes at 32(j/2)
+        const ds4_u8* blk = rp + (long long)(b / 8) * 144;
+        int j = b % 8;
+        const uint4* qp = (const uint4*)(blk + 16 + 32 * (j / 2));
+        uint4 a = qp[0], c = qp[1];
+        ds4_u32 w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        int sh = 4 * (j % 2);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q.c[k] = (int)((w[k] >> sh) & 0x0f0f0f0fu);
+        const ds4_u8* s = blk + 4;  // ggml's get_scale_min_k4
+        ds4_u32 sc = j < 4 ? s[j] & 63u : (s[j + 4] & 0xfu) | ((s[j - 4] >> 6) << 4);
+        ds4_u32 mn = j < 4 ? s[j + 4] & 63u : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        q.mul0 = q.mul1 = (int)sc;
+        q.mn0 = q.mn1 = (int)mn;
+        ds4_u32 dd = *(const ds4_u32*)blk;
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    }
+}
+
+// c (4 ints) += A (16x16 int8: a0 row g, a1 row g+8, columns 4t..4t+3) . B (16x8: b0 column g,
+// k 4t..4t+3), g = lane / 4, t = lane % 4; c0, c1: row g, columns 2t, 2t+1; c2, c3: row g+8.
+__device__ __forceinline__ void qm_mma16816(int* c, int a0, int a1, int b0) {
+#if DS4_IS_HIP
+    // no MMA instruction assumed: the same integers by dp4a over the shuffled fragments
+    int g = (threadIdx.x % DS4_WARP) / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        int x0 = DS4_SHFL(a0, 4 * g + j), x1 = DS4_SHFL(a1, 4 * g + j);
+        int w0 = DS4_SHFL(b0, 4 * (2 * t) + j), w1 = DS4_SHFL(b0, 4 * (2 * t + 1) + j);
+        c[0] = ds4_dp4a(x0, w0, c[0]); c[1] = ds4_dp4a(x0, w1, c[1]);
+        c[2] = ds4_dp4a(x1, w0, c[2]); c[3] = ds4_dp4a(x1, w1, c[3]);
+    }
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+#endif
+}
+
+// Block b of the row at rp as qb_load decodes it, but only the words of columns 4t.. of each
+// half, in c[0] and c[4]: a lane decodes a quarter of the block (the four lanes of a weight
+// row share it), and no register array is indexed by t (that would go to memory).
+template <int WT>
+__device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, int b, int t, QBlock& q,
+                                        const Iq2Tables* iq2) {
+    if (WT == WT_Q8_0) {
+        const int* p = (const int*)(rp + (long long)b * 32);
+        q.c[0] = p[t];
+        q.c[4] = p[4 + t];
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s2 = 0.0f;
+    } else if (WT == WT_IQ2_XXS) {  // word k: half k % 2 of group k / 2 (qb_load's c[2l], c[2l+1])
+        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
+        ds4_u32 aux0 = sub.x, aux1 = sub.y;
+        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int k = 4 * h + t, l = k / 2;
+            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
+            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
+            ds4_u32 vv = k % 2 ? v.y : v.x, mm = k % 2 ? m.y : m.x;
+            q.c[4 * h] = (int)((vv ^ mm) + (mm & 0x01010101u));
+        }
+        q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
+        q.s2 = 0.0f;
+    } else if (WT == WT_Q2_K) {  // the repacked row of qb_load: word k is byte lanes of cw >> 2(k % 4)
+        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
+        q.c[0] = (int)((cw.x >> (2 * t)) & 0x03030303u);
+        q.c[4] = (int)((cw.y >> (2 * t)) & 0x03030303u);
+        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];
+        q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
+        q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
+        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
+        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+    } else {
+        qb_load<WT>(rp, K, b, q, iq2);
+        int lo = q.c[0], hi = q.c[4];
+#pragma unroll
+        for (int k = 1; k < 4; ++k) {
+            lo = t == k ? q.c[k] : lo;
+            hi = t == k ? q.c[4 + k] : hi;
+        }
+        q.c[0] = lo;
+        q.c[4] = hi;
+    }
+}

@@ -1,0 +1,199 @@
+// qgemm.hip - prompt passes' quantised products as a tiled int8 GEMM, in docs/exactness.md §2a's
+// order (its own file: the unrolled chains take NVRTC some 20 s, which no server start should pay
+// while the backend does not take these kernels).
+#include "ds4_mv3.h"
+#include "ds4_q8.h"
+#include "ds4_qblock.h"
+
+#define MQ_WARPS 8
+
+// ---- prompt passes: a tiled int8 GEMM in §2a's order -----------------------------------------
+// Not taken by the backend yet: written without a GPU at hand, it waits for its twin
+// (tests/gpu/test_ops_gpu.py::test_qgemm_every_type) to pass before ops.launch_qmatvec uses it.
+// The butterfly over the 32 partials is a tree; evaluated in post-order it visits the partials in
+// 5-bit bit-reversed order (0, 16, 8, 24, 4, ...), and after leaf q the pending sums are those of
+// a binary counter: pop as many as q has trailing ones, add each on the left, push the result.
+// So a thread walks its outputs' chains one after another (chain p: blocks p, p + 32, ... in
+// increasing order, fma from +0, as mq_rows) holding five pending sums, and the 8 warps partition
+// a 64-row x 64-weight-row tile instead of splitting K: each staged block is read once a tile.
+#define QG_TILE 64
+#define QG_STRIDE 48  // staged row bytes: 32 codes, padded so a fragment load hits 32 banks
+
+__host__ __device__ constexpr int qg_bitrev5(int q) {
+    return ((q & 1) << 4) | ((q & 2) << 2) | (q & 4) | ((q & 8) >> 2) | ((q & 16) >> 4);
+}
+__host__ __device__ constexpr int qg_popc(int q) { return q ? (q & 1) + qg_popc(q >> 1) : 0; }
+__host__ __device__ constexpr int qg_trailing_ones(int q) { return q & 1 ? 1 + qg_trailing_ones(q >> 1) : 0; }
+
+// What a thread of qg_body reads from and stages: its input and weight rows (staging roles
+// (so, sp): bytes 8 sp.. of input row so, words sp and 4 + sp of weight row so) and its warp tile.
+struct QgCtx {
+    const ds4_i8* arow;
+    const float* drow;
+    const short* srow;
+    const ds4_u8* brow;
+    int K, nb, so, sp, r0, ob, g, t;
+    bool a_ok;
+};
+
+struct QgStage {
+    ds4_u8 a[QG_TILE * QG_STRIDE];
+    ds4_u8 b[QG_TILE * QG_STRIDE];
+    float d[QG_TILE], s1[QG_TILE], s2[QG_TILE];
+    int x[QG_TILE], m[QG_TILE];
+};
+
+// This thread's share of block b: input bytes, block scale and half sums, and weight words.
+template <int WT>
+__device__ __forceinline__ void qg_fetch(const QgCtx& c, int b, const Iq2Tables* iq2, uint2& av, float& dv,
+                                         int& xv, QBlock& w) {
+    av = c.a_ok ? *(const uint2*)(c.arow + (long long)b * QB + 8 * c.sp) : make_uint2(0u, 0u);
+    dv = c.a_ok ? c.drow[b] : 0.0f;
+    xv = QHasMin<WT>::value && c.a_ok ? (int)(ds4_u16)c.srow[2 * b] | ((int)c.srow[2 * b + 1] << 16) : 0;
+    qm_load<WT>(c.brow, c.K, b, c.sp, w, iq2);
+}
+
+// Chain p (blocks p, p + 32, ... in increasing order, fma from +0, as mq_rows) of the warp's
+// 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816).
+template <int WT>
+__device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p,
+                                         float (&acc)[4][4]) {
+    const bool has_min = QHasMin<WT>::value;
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[ni][e] = 0.0f;
+    // block b's staged bytes are loaded while block b - 32 is computed
+    uint2 av = make_uint2(0u, 0u);
+    float dv = 0.0f;
+    int xv = 0;
+    QBlock w;
+    if (p < c.nb) qg_fetch<WT>(c, p, iq2, av, dv, xv, w);
+    for (int b = p; b < c.nb; b += DS4_WARP) {
+        __syncthreads();  // the previous block is consumed
+        *(uint2*)(st.a + c.so * QG_STRIDE + 8 * c.sp) = av;
+        *(int*)(st.b + c.so * QG_STRIDE + 4 * c.sp) = w.c[0];
+        *(int*)(st.b + c.so * QG_STRIDE + 16 + 4 * c.sp) = w.c[4];
+        if (c.sp == 0) {
+            st.d[c.so] = dv;
+            st.x[c.so] = xv;
+            st.s1[c.so] = w.s1;
+            st.s2[c.so] = w.s2;
+            st.m[c.so] = (w.mul0 & 0xff) | ((w.mul1 & 0xff) << 8) | ((w.mn0 & 0xff) << 16) | ((w.mn1 & 0xff) << 24);
+        }
+        __syncthreads();
+        if (b + DS4_WARP < c.nb) qg_fetch<WT>(c, b + DS4_WARP, iq2, av, dv, xv, w);
+        int r1 = c.r0 + 8;
+        int a[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            a[h][0] = *(const int*)(st.a + c.r0 * QG_STRIDE + 16 * h + 4 * c.t);
+            a[h][1] = *(const int*)(st.a + r1 * QG_STRIDE + 16 * h + 4 * c.t);
+        }
+        float d[2] = {st.d[c.r0], st.d[r1]};
+        int X[2][2] = {{0, 0}, {0, 0}};
+        if (has_min) {
+            int x0 = st.x[c.r0], x1 = st.x[r1];
+            X[0][0] = (short)(x0 & 0xffff); X[0][1] = (short)(x0 >> 16);
+            X[1][0] = (short)(x1 & 0xffff); X[1][1] = (short)(x1 >> 16);
+        }
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+            int ob8 = c.ob + 8 * ni;
+            int S[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                qm_mma16816(S[h], a[h][0], a[h][1], *(const int*)(st.b + (ob8 + c.g) * QG_STRIDE + 16 * h + 4 * c.t));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int oo = ob8 + 2 * c.t + e % 2, hr = e / 2;
+                int pk = st.m[oo];
+                int A = (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e];
+                float tb = st.s1[oo] * (float)A;
+                if (has_min)
+                    tb = tb - st.s2[oo] * (float)(((pk >> 16) & 0xff) * X[hr][0] + ((pk >> 24) & 0xff) * X[hr][1]);
+                acc[ni][e] = fmaf(d[hr], tb, acc[ni][e]);
+            }
+        }
+    }
+}
+
+// Leaves Q .. 31 of the butterfly's tree in post-order: leaf Q is chain qg_bitrev5(Q); after it
+// the pending sums are a binary counter's (pop as many as Q has trailing ones, each added on the
+// left, push the result), every index known at compile time.
+template <int WT, int Q>
+__device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2Tables* iq2,
+                                          float (&stack)[5][4][4]) {
+    if constexpr (Q < DS4_WARP) {
+        constexpr int depth = qg_popc(Q), pops = qg_trailing_ones(Q);
+        float acc[4][4];
+        qg_chain<WT>(c, st, iq2, qg_bitrev5(Q), acc);
+#pragma unroll
+        for (int j = 0; j < pops; ++j)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ni][e] = stack[depth - 1 - j][ni][e] + acc[ni][e];
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) stack[depth - pops][ni][e] = acc[ni][e];
+        qg_leaves<WT, Q + 1>(c, st, iq2, stack);
+    }
+}
+
+template <int WT>
+__device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {
+    __shared__ __align__(16) QgStage st;
+    __shared__ Iq2Tables iq2[1];
+    if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
+    __syncthreads();  // the tables, before the first block's prefetch decodes with them
+    int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    int wr = warp % 4, wc = warp / 4;  // warp tile: rows 16 wr .., weight rows 32 wc ..
+    int l0 = (int)blockIdx.y * QG_TILE, o0 = (int)blockIdx.x * QG_TILE, grp = blockIdx.z;
+    int na;  // rows of this warp's 16-lane group that are stored (as mq_body)
+    {
+        int lm = l0 + 16 * wr, n = L - lm < 16 ? L - lm : 16;
+        na = n <= 0 ? 0 : mv3_active(n, lane_slot ? lane_slot + lm : lane_slot);
+    }
+    QgCtx c;
+    c.so = tid / 4;
+    c.sp = tid % 4;
+    c.a_ok = l0 + c.so < L;
+    long long abase = (long long)(c.a_ok ? l0 + c.so : 0) * Wx + (long long)grp * xg;
+    c.arow = xq + abase;
+    c.drow = dx + abase / QB;
+    c.srow = xs + abase / 16;
+    int ob = o0 + c.so < N ? o0 + c.so : N - 1;
+    c.brow = W + ((long long)grp * N + ob) * rb;
+    c.K = K;
+    c.nb = K / QB;
+    c.g = lane / 4;
+    c.t = lane % 4;
+    c.r0 = 16 * wr + c.g;
+    c.ob = 32 * wc;
+    float stack[5][4][4];
+    qg_leaves<WT, 0>(c, st, iq2, stack);
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int r = 16 * wr + c.g + 8 * (e / 2), o = o0 + 32 * wc + 8 * ni + 2 * c.t + e % 2;
+            if (o < N && r % 16 < na)
+                y[(long long)(l0 + r) * ldy + (long long)grp * N + o] = stack[0][ni][e];
+        }
+}
+
+#define DS4_QGEMM(NAME, WT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 1)                             \
+        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
+             int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {                       \
+        qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                             \
+    }
+
+DS4_QGEMM(ds4_qgemm_q8_0, WT_Q8_0)
+DS4_QGEMM(ds4_qgemm_q2_k, WT_Q2_K)
+DS4_QGEMM(ds4_qgemm_q4_k, WT_Q4_K)
+DS4_QGEMM(ds4_qgemm_iq2_xxs, WT_IQ2_XXS)
+DS4_QGEMM(ds4_qgemm_mxfp4, WT_MXFP4)
