@@ -23,11 +23,9 @@ as in docs/results/ops_gpu.md). The gfx1151 column is the same bytes over 212 GB
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -35,21 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4ref.gguf.config import CSA  # noqa: E402
 from ds4ref.backend import Row, StepPlan  # noqa: E402
-from ds4ref.reference.layers import Tables  # noqa: E402
 from ds4ref.reference.state import ATTN, INDEX  # noqa: E402
-from ds4ref.gguf.tiny import tiny_config  # noqa: E402
+from ds4ref.hip.synthetic import flash_config, make_model  # noqa: E402,F401 - the benchmarks' models
 
 GFX1151_GBS = 212.0
 # The upstream PR's own decode figures on Strix Halo (gfx1151), q2 Flash, tok/s at C = 1, 8, 16.
 SEED_STRIX_TOKS = {1: 10.50, 8: 25.88, 16: 24.43}
-
-
-def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65536):
-    return dataclasses.replace(
-        tiny_config(n_layer=n_layer), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512,
-        n_rot=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=n_expert, n_expert_used=6,
-        n_expert_shared=1, expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
-        indexer_top_k=512, context_length=context_length, name=f"flash-shaped-{n_layer}L")
 
 
 def copy_bandwidth(rt, nbytes: int = 1 << 30) -> float:
@@ -167,26 +156,6 @@ def transformers_note() -> str:
                 f"benchmarks/hf_eager_gpu.py (in its own process, after this one)")
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         return f"transformers' eager DeepseekV4 not importable here: {type(exc).__name__}: {str(exc)[:120]}"
-
-
-def make_model(full: bool, experts: int = 256):
-    """(runtime, config, device weights, model stand-in, description): the 8-layer bf16 model
-    or, with full, Flash in the q2 policy; random weights made on the device."""
-    from ds4ref.hip.device_weights import DeviceWeights
-    from ds4ref.hip.guards import open_device
-    t0 = time.time()
-    rt = open_device()
-    if full:
-        cfg = flash_config(43, 256, 1048576)
-        dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=True)  # official numerics
-        what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
-    else:
-        cfg = flash_config(8, experts)
-        dw = DeviceWeights.random_flash(rt, cfg)
-        what = f"Flash-shaped 8-layer model, every matrix bf16, {cfg.n_expert} experts top-6"
-    model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
-    print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
-    return rt, cfg, dw, model, what
 
 
 def main() -> None:

@@ -106,7 +106,7 @@ def make_backend(which: str):
         import ds4ref
         model = ds4ref.load()
         return model.make_backend("numpy"), model.config, "embedded tiny model, NumPy reference (CPU)"
-    from decode_gpu import make_model
+    from ds4ref.hip.synthetic import make_model
     from ds4ref.hip.backend import HipBackend
     rt, cfg, dw, model, what = make_model(which == "full")
     return HipBackend(model, runtime=rt, device_weights=dw), cfg, what

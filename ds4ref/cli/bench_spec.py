@@ -11,15 +11,13 @@ tok/s, speed-up over plain, passes, the drafter's ms per pass (the MTP block's o
 `mtp`), sequences that turned speculation off.
 
 Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
-numpy|hip, or --synthetic 8layer|full (benchmarks/decode_gpu.py's random Flash-shaped models
+numpy|hip, or --synthetic 8layer|full (hip/synthetic.py's random Flash-shaped models
 on the GPU: the 8-layer bf16 one, or 43 layers in the q2 policy; oracle drafts only).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -74,13 +72,10 @@ def decode_run(model, backend: str, reqs: list[Request], C: int, k: int = 0, mak
 
 
 def synthetic(which: str):
-    """A model stand-in over benchmarks/decode_gpu.py's random device weights."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_gpu.py"
-    spec = importlib.util.spec_from_file_location("decode_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """A model stand-in over hip.synthetic's random device weights."""
     from ..hip.backend import HipBackend
-    rt, cfg, dw, ref, what = mod.make_model(which == "full")
+    from ..hip.synthetic import make_model
+    rt, cfg, dw, ref, what = make_model(which == "full")
     print(what, flush=True)
     backend = HipBackend(ref, runtime=rt, device_weights=dw)  # each run's configure() releases the last's state
     return SimpleNamespace(config=cfg, mtp=None, make_backend=lambda name=None: backend)
@@ -106,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mtp", default=None, help="separate MTP GGUF for --model")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
     p.add_argument("--synthetic", choices=("8layer", "full"), default=None,
-                   help="benchmarks/decode_gpu.py's random Flash-shaped model on the GPU (oracle drafts only)")
+                   help="hip/synthetic.py's random Flash-shaped model on the GPU (oracle drafts only)")
     p.add_argument("--prompt-tokens", type=int, default=24, help="prompt length (ragged +-50%%)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--no-auto-off", action="store_true", help="keep drafting whatever the acceptance")

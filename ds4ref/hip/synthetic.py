@@ -1,0 +1,41 @@
+"""Random Flash-shaped models made on the device, for the GPU benchmarks (decode, prompts,
+prefix cache, speculation): the 8-layer bf16 model, or Flash's 43 layers in the q2 policy.
+The weights never exist on the host; a stand-in takes the reference model's place beside them."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..gguf.tiny import tiny_config
+from ..reference.layers import Tables
+
+
+def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65536):
+    return dataclasses.replace(
+        tiny_config(n_layer=n_layer), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512,
+        n_rot=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=n_expert, n_expert_used=6,
+        n_expert_shared=1, expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
+        indexer_top_k=512, context_length=context_length, name=f"flash-shaped-{n_layer}L")
+
+
+def make_model(full: bool, experts: int = 256):
+    """(runtime, config, device weights, model stand-in, description): the 8-layer bf16 model
+    or, with full, Flash in the q2 policy; random weights made on the device."""
+    from .device_weights import DeviceWeights
+    from .guards import open_device
+    t0 = time.time()
+    rt = open_device()
+    if full:
+        cfg = flash_config(43, 256, 1048576)
+        dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=True)  # official numerics
+        what = "Flash (43 layers) in the q2 policy: IQ2_XXS/Q2_K experts, Q8_0 attention/shared/output, F16 rest"
+    else:
+        cfg = flash_config(8, experts)
+        dw = DeviceWeights.random_flash(rt, cfg)
+        what = f"Flash-shaped 8-layer model, every matrix bf16, {cfg.n_expert} experts top-6"
+    model = SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
+    print(f"weights on device: {dw.bytes / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
+    return rt, cfg, dw, model, what
