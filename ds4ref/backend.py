@@ -213,3 +213,26 @@ def check_block_table(slot: int, old: Sequence[int], new: Sequence[int], n_pages
     old = np.asarray(old, np.int64).reshape(-1)
     if new.size < old.size or not np.array_equal(new[: old.size], old):
         raise ValueError(f"slot {slot}: block table may only grow; existing pages cannot move")
+
+
+def check_draft_requests(requests, n_slots: int, vocab: int) -> None:
+    """A draft() call's requests: one per slot, slots in range, positions consecutive and as
+    many as next_tokens, token ids in the vocabulary, k >= 0. Raises ValueError before any
+    state changes (whether the positions were rows of the last step is the backend's to say)."""
+    seen: set[int] = set()
+    for q in requests:
+        if not 0 <= q.slot < n_slots:
+            raise ValueError(f"draft: slot {q.slot} out of range 0..{n_slots - 1}")
+        if q.slot in seen:
+            raise ValueError(f"draft: two requests for slot {q.slot}")
+        seen.add(q.slot)
+        pos = [int(p) for p in q.positions]
+        if not pos or len(pos) != len(q.next_tokens):
+            raise ValueError(f"draft: slot {q.slot} has {len(pos)} positions and {len(q.next_tokens)} next tokens")
+        if q.k < 0:
+            raise ValueError(f"draft: slot {q.slot} asks for k = {q.k} drafts")
+        if pos != list(range(pos[0], pos[0] + len(pos))):
+            raise ValueError(f"draft: slot {q.slot}'s positions are not consecutive: {pos}")
+        for t in q.next_tokens:
+            if not 0 <= int(t) < vocab:
+                raise ValueError(f"draft: slot {q.slot}: token id {int(t)} out of range 0..{vocab - 1}")

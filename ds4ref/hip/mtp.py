@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backend import DraftRequest, Row
+from ..backend import DraftRequest, Row, check_draft_requests
 from ..gguf.mtp import PREFIX
 from . import ops as K
 from .device_state import DeviceState, lane_fields
@@ -53,25 +53,13 @@ def first_pass(requests: Sequence[DraftRequest], streams_at: dict, n_slots: int,
     """Every request's rows, a request's on consecutive lanes, from the last step's streams
     (streams_at: (slot, position) -> its lane in that step). The last row of a request with
     k >= 1 emits its first draft. Raises ValueError before anything runs."""
-    out, seen = MTPPass(), set()
+    check_draft_requests(requests, n_slots, vocab)
+    out = MTPPass()
     for i, q in enumerate(requests):
-        if not 0 <= q.slot < n_slots:
-            raise ValueError(f"draft: slot {q.slot} out of range 0..{n_slots - 1}")
-        if q.slot in seen:
-            raise ValueError(f"draft: two requests for slot {q.slot}")
-        seen.add(q.slot)
         pos, nxt = [int(p) for p in q.positions], [int(t) for t in q.next_tokens]
-        if not pos or len(pos) != len(nxt):
-            raise ValueError(f"draft: slot {q.slot} has {len(pos)} positions and {len(nxt)} next tokens")
-        if q.k < 0:
-            raise ValueError(f"draft: slot {q.slot} asks for k = {q.k} drafts")
-        if pos != list(range(pos[0], pos[0] + len(pos))):
-            raise ValueError(f"draft: slot {q.slot}'s positions are not consecutive: {pos}")
-        for p, t in zip(pos, nxt):
+        for p in pos:
             if (q.slot, p) not in streams_at:
                 raise ValueError(f"draft: slot {q.slot} position {p} was not a row of the last step()")
-            if not 0 <= t < vocab:
-                raise ValueError(f"draft: slot {q.slot}: token id {t} out of range 0..{vocab - 1}")
         for j, (p, t) in enumerate(zip(pos, nxt)):
             emit = j == len(pos) - 1 and q.k >= 1
             out.rows.append(Row(q.slot, p, t, want_logits=emit, emit=emit))

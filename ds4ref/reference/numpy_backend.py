@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
-                       check_rows)
+                       check_draft_requests, check_rows)
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
@@ -170,6 +170,8 @@ class NumpyBackend:
         later positions still read (the ring is one window long), so they run on a copy."""
         if self.mtp is None:
             raise ValueError("this model has no MTP block: no drafts (load one with ds4ref.load(mtp=...))")
+        self._check_slot(0)  # configured
+        check_draft_requests(requests, self.n_slots, self.cfg.vocab_size)
         states, hidden, tokens, positions = [], [], [], []
         for r in requests:
             first, streams = self.hidden.get(r.slot, (0, np.zeros((0,))))

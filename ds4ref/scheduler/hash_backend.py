@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
-                       check_rows)
+                       check_draft_requests, check_rows)
 
 
 class ProtocolError(AssertionError):
@@ -84,12 +84,14 @@ class HashBackend:
             raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
+        try:
+            check_draft_requests(requests, self.n_slots, self.vocab_size)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         out = []
         for r in requests:
             ran = self.last_rows.get(r.slot, range(0))
-            if not r.positions or list(r.positions) != list(range(r.positions[0], r.positions[-1] + 1)) \
-                    or r.positions[0] != self.drafted[r.slot] or r.positions[0] not in ran \
-                    or r.positions[-1] not in ran or len(r.next_tokens) != len(r.positions) or r.k < 0:
+            if r.positions[0] != self.drafted[r.slot] or r.positions[0] not in ran or r.positions[-1] not in ran:
                 raise ProtocolError(f"slot {r.slot}: draft request {r} does not continue its drafter at "
                                     f"{self.drafted[r.slot]} over rows {ran} of the last pass")
             pos = np.arange(r.positions[-1] + 1)
