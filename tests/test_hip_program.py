@@ -124,11 +124,10 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
         names = {kernel.name for kernel, *_ in ops}
         assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
                 "step_gather_rows", "ds4_rmsnorm"} <= names and len(names) >= 15
-    # one pass, two capacities: the same kernels in the same order (rows per warp, and int8 MMA
-    # for the prompt pass's Q8_0 products, aside), per-lane grids scaled
+    # one pass, two capacities: the same kernels in the same order (rows per warp, and the tiled
+    # GEMM for the prompt pass's quantised products, aside), per-lane grids scaled
     small, big = backend.programs[16].ops, backend.programs[256].ops
-    family = lambda ops: [(k.handle[0], re.sub(r"_r\d", "", k.name.replace("ds4_qmm_", "ds4_qmatvec_")))  # noqa: E731
-                          for k, *_ in ops]
+    family = lambda ops: [re.sub(r"_r\d", "", k.name.replace("ds4_qgemm_", "ds4_qmatvec_")) for k, *_ in ops]  # noqa: E731
     assert family(small) == family(big)
     embed = [i for i, op in enumerate(small) if op[0].name == "step_embed"][0]
     assert small[embed][1] == (16,) and big[embed][1] == (256,)

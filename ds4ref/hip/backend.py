@@ -523,7 +523,7 @@ class HipBackend:
                    (pkv, psc, self.w.vec(pre + "_ape.weight"), cs.cur_kv, cs.cur_sc, cs.prev_kv, cs.prev_sc,
                     I32(ratio), I32(width), I32(coff), I32(L), st.lane("slot"), st.lane("pos"), st.lane("pstart"),
                     st.lane("flane"), ws["cand_kv"], ws["cand_sc"], nkv, nsc, ws["emit_pos"]))
-        rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(L * width, 256),), (256,),
+        rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(width, 32), L), (256,),
                    (ws["cand_kv"], ws["cand_sc"], ws["pooled"], I32(L), I32(C), I32(width)))
         self._norm(rec, ws["pooled"], pre + "_norm.weight", ws["crow"], L, width)
         self._rope(rec, ws["crow"], ws["emit_pos"], ratio, 1, width)

@@ -481,6 +481,35 @@ def perf_experts(b, L):
                   f"{touched} experts touched")
 
 
+def perf_qexperts(b, L):
+    """step_expert_list + ds4_qexperts in the q2 policy at Flash dims: 256 experts of IQ2_XXS
+    2048 x 4096 (gate) and Q2_K 4096 x 2048 (down), top-6 distinct random ids per lane; only the
+    chosen experts' bytes are counted."""
+    rt = b.rt
+    E, kk, ff, d = 256, 6, 2048, 4096
+    P = max(L, g.MAX_LANES)
+    ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
+    slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
+    listk = rt.compile_file("step_ops.hip").kernel("step_expert_list")
+    idb, slb = b.up(ids), b.up(slot)
+    elist = b.out((g.expert_list_ints(E, kk, P),), I32)
+    touched = len(np.unique(ids[:L]))
+    for name, wtype, N, K, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
+                                          ("experts down q2_k 256x4096x2048", "q2_k", d, ff, 1)):
+        one = g.pack_qrows(wtype, make_weight(0, N, K, wtype)[0])
+        wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
+        rows = P * kk if per_choice else P
+        q = g.Q8Rows.alloc(rt, rows * K)
+        b.keep += [q.xq, q.dx, q.xs]
+        x, y = b.up(b.rnd(rows, K)), b.out((P * kk, N))
+
+        def run(N=N, K=K, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
+            rt.launch(listk, (1,), (256,), (idb, slb, I32(P), I32(kk), I32(E), elist))
+            g.launch_quantize_q8(rt, x, q, rows, K)
+            g.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, K, kk)
+        b.add(name, L, touched * one.nbytes + 4 * L * kk * (K + N), [run], f"{touched} experts touched")
+
+
 def perf_rmsnorm(b, L):
     d = 4096
     x, y, w = b.up(b.rnd(L, d)), b.out((L, d)), b.up(b.rnd(d))
@@ -565,7 +594,7 @@ def perf_pool(b, L):
     for C in (8, 128):  # ratio 4 (with the previous window's overlap lane), ratio 128
         kv, s, o = b.up(b.rnd(L, C, D)), b.up(b.rnd(L, C, D)), b.out((L, D))
         b.add(f"pool_window C={C} D=512", L, 4 * L * (2 * C * D + D),
-              [lambda kv=kv, s=s, o=o, C=C: b.rt.launch(k, (g._blocks(L * D, 256),), (256,),
+              [lambda kv=kv, s=s, o=o, C=C: b.rt.launch(k, (g._blocks(D, 32), L), (256,),
                                                         (kv, s, o, I32(L), I32(C), I32(D)))])
 
 
@@ -621,10 +650,12 @@ def perf_qmatvec(b, L):
         b.keep += [q.xq, q.dx, q.xs]
         x, y = b.up(b.rnd(L, 4096)), b.out((L, 4096))
 
-        def run(dw=dw, q=q, x=x, y=y):
-            g.launch_quantize_q8(rt, x, q, L, 4096)
-            g.launch_qmatvec(rt, dw, q, y, L)
-        b.add(f"qmatvec {wtype} 4096x4096 (+ quantize)", L, packed.nbytes + 4 * L * 2 * 4096, [run])
+        for gemm in (False, True) if L > g.MMA_ROWS else (False,):
+            def run(dw=dw, q=q, x=x, y=y, gemm=gemm):
+                g.launch_quantize_q8(rt, x, q, L, 4096)
+                g.launch_qmatvec(rt, dw, q, y, L, gemm=gemm)
+            b.add(f"qmatvec {wtype} 4096x4096 (+ quantize){' [qgemm]' if gemm else ''}", L,
+                  packed.nbytes + 4 * L * 2 * 4096, [run])
 
 
 def _make_block_quants(seed, L, n, kb, wtype):
@@ -729,14 +760,14 @@ CASES: tuple[OpCase, ...] = (
     OpCase("swiglu_act_q8", ("ds4_swiglu_act_q8",), g.swiglu_act_q8, ref_swiglu_act_q8, make_swiglu_act_q8,
            dict(kb=range(1, 81), clamp=[1.0, 10.0, 1e30], special=["none", "zero", "nan"]), "prompt",
            compare="bits, any NaN"),
-    OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qmm_*", "ds4_qgemm_*"), g.qmatvec,
+    OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qgemm_*"), g.qmatvec,
            lambda x, raw, wtype: canon_qlinear(x, raw, wtype), _make_qmatvec,
            dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qmatvec),
     OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,
            lambda mats, wtype, x, ids: ref_experts(
                mats, wtype, x, ids, lambda xi, m, wt: canon_qlinear(xi[None], m[0], wt)[0]),
            _make_qrouted, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
-                      wtype=list(g.QUANT_WTYPES)), "prompt"),
+                      wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qexperts),
 )
 
 

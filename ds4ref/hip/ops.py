@@ -186,7 +186,7 @@ def launch_rmsnorm_q8(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuff
     """ds4_rmsnorm, and y's rows quantised into q (D wide) for the products that read them."""
     _need(D % 32 == 0, f"rmsnorm_q8: width {D} is not a multiple of 32")
     _need(rows * D <= q.capacity, f"rmsnorm_q8: {rows} x {D} exceeds the scratch ({q.capacity})")
-    rt.launch(kernel(rt, "norm", "ds4_rmsnorm_q8"), (rows,), (256,),
+    rt.launch(kernel(rt, "norm", "ds4_rmsnorm_q8"), (rows, _blocks(D, 256)), (256,),
               (x, w, y, I32(D), F32(eps), lane_slot, q.xq, q.dx, q.xs))
 
 
@@ -613,7 +613,7 @@ def pool_window(kv, score, rt=None):
     shape = kv.shape[:-2] + (D,)
     with _Scope(rt) as s:
         out = s.out(shape)
-        rt.launch(kernel(rt, "pool", "ds4_pool_window"), (_blocks(R * D, 256),), (256,),
+        rt.launch(kernel(rt, "pool", "ds4_pool_window"), (_blocks(D, 32), R), (256,),
                   (s.up(kv), s.up(score), out, I32(R), I32(C), I32(D)))
         return s.get(out, shape)
 
@@ -917,10 +917,12 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
               (x, np.int64(ldx or W), I32(W), I32(rows), q.xq, q.dx, q.xs))
 
 
-# Passes of more rows than MMA_ROWS run dense products of these types as int8 MMA (ds4_qmm_*):
-# where it measured faster than dp4a on the H200 (docs/performance.md, "Prompt products on int8 MMA").
+# Passes of more rows than MMA_ROWS run dense quantised products as the tiled int8 GEMM
+# (qgemm.hip): 1.4x (Q8_0) to 2.5x (IQ2_XXS) the dp4a kernel at 256 rows on the H200
+# (docs/performance.md, "Prompt products as a tiled GEMM"), the same bits.
 MMA_ROWS = 16
-MMA_WTYPES = ("q8_0",)
+# qgemm.hip's -DQG_BUILD values: ds4_mv3.h's WT_* codes
+_QG_BUILD = {"q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 
 
 def qmatvec_rows_per_warp(rows: int) -> int:
@@ -929,26 +931,20 @@ def qmatvec_rows_per_warp(rows: int) -> int:
 
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
                    Wx: int | None = None, xg: int = 0, ldy: int | None = None,
-                   lane_slot: DeviceBuffer | None = None, gemm: bool = False) -> None:
+                   lane_slot: DeviceBuffer | None = None, gemm: bool = True) -> None:
     """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide);
-    gemm: past MMA_ROWS rows the tiled MMA GEMM (qgemm.hip), which the backend does not take
-    until its twin has passed on a GPU."""
+    past MMA_ROWS rows the tiled GEMM (qgemm.hip) unless gemm is off (the decode kernel, for
+    timing them side by side)."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
-    file = "qdot"
     if L > MMA_ROWS and gemm:
-        grid = (_blocks(n, 64), _blocks(L, 64), groups)
-        file, name = "qgemm", f"ds4_qgemm_{w.wtype}"
-    elif L > MMA_ROWS and w.wtype in MMA_WTYPES:  # the same integers, the same order after
-        grid = (_blocks(n, 16), _blocks(L, 32), groups)
-        name = f"ds4_qmm_{w.wtype}"
+        module = rt.compile_file(_SOURCES["qgemm"], (f"-DQG_BUILD={_QG_BUILD[w.wtype]}",))
+        grid, fn = (_blocks(n, 64), _blocks(L, 64), groups), module.kernel(f"ds4_qgemm_{w.wtype}")
     else:
         r = qmatvec_rows_per_warp(n)
-        grid = (_blocks(n, 8 * r), groups, lane_groups(L))
-        name = f"ds4_qmatvec_{w.wtype}_r{r}"
-    rt.launch(kernel(rt, file, name), grid,
-              (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
-                       I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
+        grid, fn = (_blocks(n, 8 * r), groups, lane_groups(L)), kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}")
+    rt.launch(fn, grid, (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
+                                 I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
 
 
 def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
@@ -958,9 +954,9 @@ def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, 
                I32(N), I32(K), I32(kk)))
 
 
-def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = False):
+def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = True):
     """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N); the backend's
-    kernel for L rows, or with gemm the tiled GEMM past MMA_ROWS rows."""
+    kernel for L rows, or without gemm the decode kernel for any L."""
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     L, K = x.shape

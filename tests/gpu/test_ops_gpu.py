@@ -229,12 +229,14 @@ def test_qmatvec_batch_invariance(rt, wtype):
 
 
 @pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
-def test_qgemm_every_type(rt, wtype):
-    """The tiled GEMM (ds4_qgemm_*: §2a's partial chains walked in the butterfly's post-order):
-    bitwise the reference and the decode kernel, with partial 16-row groups and 64-row tiles,
-    weight rows past a 64-row tile, and K past 32 blocks. The backend takes it once this passes."""
-    raw = make_weight(11, 70, 2048 + 256, wtype)[0]
-    x = rnd(12, 77, 2048 + 256)
+@pytest.mark.parametrize("k", [2048 + 256, 1024, 256])
+def test_qgemm_every_type(rt, wtype, k):
+    """The tiled GEMM of prompt passes (ds4_qgemm_*: §2a's partial chains walked in the
+    butterfly's post-order): bitwise the reference and the decode kernel, with partial 16-row
+    groups and 64-row tiles, weight rows past a 64-row tile, and K past 32 blocks, at exactly 32
+    (one block a chain) and below (empty chains between full ones)."""
+    raw = make_weight(11, 70, k, wtype)[0]
+    x = rnd(12, 77, k)
     crowd = g.qmatvec(raw, wtype, x, rt=rt, gemm=True)
     assert same_bits(crowd, canon_qlinear(x, raw, wtype))
     assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])

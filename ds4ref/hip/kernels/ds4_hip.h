@@ -91,17 +91,18 @@ __device__ __forceinline__ float ds4_warp_max(float v) {
 }
 
 // This thread's partial of a block's sum of squares (canon.sumsq's order): x[i]^2 for i = t,
-// t + nt, ... < n (t the thread, nt the block's threads) added in increasing i. Eight loads are
-// issued ahead of their adds: a load per add would wait out the memory latency every step.
+// t + nt, ... < n (t the thread, nt the block's threads) added in increasing i. Sixteen loads are
+// issued ahead of their adds: a load per add would wait out the memory latency every step (a
+// 4096-wide row is then one wait, hc's 4 x 4096 streams four).
 __device__ __forceinline__ float ds4_strided_sumsq(const float* __restrict__ x, int n) {
     float s = 0.0f;
     int t = threadIdx.x, nt = blockDim.x;
-    for (int i0 = t; i0 < n; i0 += 8 * nt) {
-        float v[8];
+    for (int i0 = t; i0 < n; i0 += 16 * nt) {
+        float v[16];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = i0 + k * nt < n ? x[i0 + k * nt] : 0.0f;
+        for (int k = 0; k < 16; ++k) v[k] = i0 + k * nt < n ? x[i0 + k * nt] : 0.0f;
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
+        for (int k = 0; k < 16; ++k)
             if (i0 + k * nt < n) s += v[k] * v[k];
     }
     return s;

@@ -69,21 +69,59 @@ __device__ __forceinline__ void iq2_tables_fill(Iq2Tables* t) {
     }
 }
 
-// Block b (columns 32b .. 32b+31) of the row at rp (K columns), decoded to QBlock.
+// The bytes of block b (columns 32b .. 32b+31) of the row at rp (K columns) as loaded, before
+// decoding: loading a lane's blocks first and decoding them after puts every load in flight at once.
 template <int WT>
-__device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, int b, QBlock& q,
-                                        const Iq2Tables* iq2) {
+struct QRaw {
+    uint4 a, c;   // codes: Q8_0 32 bytes, Q4_K 32 bytes of nibbles, MXFP4 16 bytes; IQ2_XXS and Q2_K in a.x, a.y
+    ds4_u32 s;    // f16 scale (Q8_0, IQ2_XXS), E8M0 byte (MXFP4), 16-bit scale pair (Q2_K), scale bytes (Q4_K)
+    ds4_u32 dd;   // Q2_K and Q4_K: f16 d, f16 dmin
+};
+
+template <int WT>
+__device__ __forceinline__ void qr_load(const ds4_u8* __restrict__ rp, int K, int b, QRaw<WT>& r) {
     if (WT == WT_Q8_0) {
         const uint4* p = (const uint4*)(rp + (long long)b * 32);
-        uint4 a = p[0], c = p[1];
-        q.c[0] = a.x; q.c[1] = a.y; q.c[2] = a.z; q.c[3] = a.w;
-        q.c[4] = c.x; q.c[5] = c.y; q.c[6] = c.z; q.c[7] = c.w;
+        r.a = p[0];
+        r.c = p[1];
+        r.s = ((const ds4_u16*)(rp + K))[b];
+    } else if (WT == WT_MXFP4) {
+        r.a = *(const uint4*)(rp + (long long)b * 16);
+        r.s = rp[K / 2 + b];
+    } else if (WT == WT_IQ2_XXS) {
+        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
+        r.a.x = sub.x;
+        r.a.y = sub.y;
+        r.s = ((const ds4_u16*)(rp + K / 4))[b / 8];
+    } else if (WT == WT_Q2_K) {
+        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
+        r.a.x = cw.x;
+        r.a.y = cw.y;
+        r.s = ((const ds4_u16*)(rp + K / 4))[b];
+        r.dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
+    } else {  // Q4_K: the super-block's d, dmin, and the scale bytes j, j + 4 and j - 4 (or j) of sub-block j
+        const ds4_u8* blk = rp + (long long)(b / 8) * 144;
+        int j = b % 8;
+        const uint4* qp = (const uint4*)(blk + 16 + 32 * (j / 2));
+        r.a = qp[0];
+        r.c = qp[1];
+        const ds4_u8* s = blk + 4;
+        r.s = (ds4_u32)s[j] | ((ds4_u32)s[j + 4] << 8) | ((ds4_u32)s[j < 4 ? j : j - 4] << 16);
+        r.dd = *(const ds4_u32*)blk;
+    }
+}
+
+// A loaded block decoded to QBlock.
+template <int WT>
+__device__ __forceinline__ void qr_decode(const QRaw<WT>& r, int b, QBlock& q, const Iq2Tables* iq2) {
+    if (WT == WT_Q8_0) {
+        q.c[0] = r.a.x; q.c[1] = r.a.y; q.c[2] = r.a.z; q.c[3] = r.a.w;
+        q.c[4] = r.c.x; q.c[5] = r.c.y; q.c[6] = r.c.z; q.c[7] = r.c.w;
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
-        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s1 = ds4_f16_to_f32((ds4_u16)r.s);
         q.s2 = 0.0f;
     } else if (WT == WT_MXFP4) {  // byte i: element i in the low nibble, element i + 16 in the high
-        uint4 a = *(const uint4*)(rp + (long long)b * 16);
-        ds4_u32 by[4] = {a.x, a.y, a.z, a.w};
+        ds4_u32 by[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             ds4_u32 lo = 0, hi = 0;
@@ -97,12 +135,11 @@ __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, in
             q.c[4 + k] = (int)hi;
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
-        q.s1 = mv3_e8m0_half(rp[K / 2 + b]);
+        q.s1 = mv3_e8m0_half(r.s);
         q.s2 = 0.0f;
     } else if (WT == WT_IQ2_XXS) {  // group l of 8 columns: grid row (aux0 byte l), signs (aux1 >> 7l)
-        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
-        ds4_u32 aux0 = sub.x, aux1 = sub.y;
-        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        ds4_u32 aux0 = r.a.x, aux1 = r.a.y;
+        float d = ds4_f16_to_f32((ds4_u16)r.s);
         q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
@@ -114,36 +151,39 @@ __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, in
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
     } else if (WT == WT_Q2_K) {  // [K/32 x 8 code bytes][K/16 scales][K/256 x (d, dmin)]: ops.q2k_block_codes
-        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            q.c[k] = (int)((cw.x >> (2 * k)) & 0x03030303u);
-            q.c[4 + k] = (int)((cw.y >> (2 * k)) & 0x03030303u);
+            q.c[k] = (int)((r.a.x >> (2 * k)) & 0x03030303u);
+            q.c[4 + k] = (int)((r.a.y >> (2 * k)) & 0x03030303u);
         }
-        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];  // the block's halves: scales[2b], scales[2b + 1]
+        ds4_u32 sc = r.s;  // the block's halves: scales[2b], scales[2b + 1]
         q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
         q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
-        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
-        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
-        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
-    } else {  // Q4_K: d, dmin, scales[12], qs[128]; block j of 8 = nibble j%2 of the 32 bytes at 32(j/2)
-        const ds4_u8* blk = rp + (long long)(b / 8) * 144;
+        q.s1 = ds4_f16_to_f32((ds4_u16)(r.dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(r.dd >> 16));
+    } else {  // Q4_K: block j of 8 = nibble j%2 of the 32 bytes at 32(j/2); ggml's get_scale_min_k4
         int j = b % 8;
-        const uint4* qp = (const uint4*)(blk + 16 + 32 * (j / 2));
-        uint4 a = qp[0], c = qp[1];
-        ds4_u32 w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        ds4_u32 w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.c.x, r.c.y, r.c.z, r.c.w};
         int sh = 4 * (j % 2);
 #pragma unroll
         for (int k = 0; k < 8; ++k) q.c[k] = (int)((w[k] >> sh) & 0x0f0f0f0fu);
-        const ds4_u8* s = blk + 4;  // ggml's get_scale_min_k4
-        ds4_u32 sc = j < 4 ? s[j] & 63u : (s[j + 4] & 0xfu) | ((s[j - 4] >> 6) << 4);
-        ds4_u32 mn = j < 4 ? s[j + 4] & 63u : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        ds4_u32 sj = r.s & 0xffu, sj4 = (r.s >> 8) & 0xffu, sjm = (r.s >> 16) & 0xffu;
+        ds4_u32 sc = j < 4 ? sj & 63u : (sj4 & 0xfu) | ((sjm >> 6) << 4);
+        ds4_u32 mn = j < 4 ? sj4 & 63u : (sj4 >> 4) | ((sj >> 6) << 4);
         q.mul0 = q.mul1 = (int)sc;
         q.mn0 = q.mn1 = (int)mn;
-        ds4_u32 dd = *(const ds4_u32*)blk;
-        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
-        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+        q.s1 = ds4_f16_to_f32((ds4_u16)(r.dd & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(r.dd >> 16));
     }
+}
+
+// Block b of the row at rp, loaded and decoded.
+template <int WT>
+__device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, int b, QBlock& q,
+                                        const Iq2Tables* iq2) {
+    QRaw<WT> r;
+    qr_load<WT>(rp, K, b, r);
+    qr_decode<WT>(r, b, q, iq2);
 }
 
 // c (4 ints) += A (16x16 int8: a0 row g, a1 row g+8, columns 4t..4t+3) . B (16x8: b0 column g,

@@ -61,12 +61,32 @@ extern "C" __global__ void ds4_topk(const float* __restrict__ scores, const int*
             if ((key & hi_mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int need = sh_need, cum = 0;
-            for (int d = 255; d >= 0; --d) {
-                int c = (int)hist[d];
-                if (cum + c >= need) { sh_prefix = prefix | ((ds4_u32)d << shift); sh_need = need - cum; break; }
-                cum += c;
+        if (threadIdx.x < DS4_WARP) {
+            // the highest digit d whose count from 255 down reaches need: lane q owns digits
+            // 255 - 8q .. 248 - 8q, the lanes' totals are scanned (integers: any order is exact)
+            // and the one lane where the running count crosses need walks its own eight
+            int q = threadIdx.x, need = sh_need, c[8], tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                c[j] = (int)hist[255 - 8 * q - j];
+                tot += c[j];
+            }
+            int incl = tot;
+            for (int m = 1; m < DS4_WARP; m <<= 1) {
+                int v = DS4_SHFL(incl, q >= m ? q - m : q);
+                if (q >= m) incl += v;
+            }
+            int cum = incl - tot;
+            if (cum < need && incl >= need) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (cum + c[j] >= need) {
+                        sh_prefix = prefix | ((ds4_u32)(255 - 8 * q - j) << shift);
+                        sh_need = need - cum;
+                        break;
+                    }
+                    cum += c[j];
+                }
             }
         }
         __syncthreads();

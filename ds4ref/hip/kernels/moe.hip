@@ -16,30 +16,39 @@ extern "C" __global__ void ds4_route(const float* __restrict__ logits, const flo
     __shared__ float s[RT_MAXE];
     __shared__ float sel[RT_MAXE];
     __shared__ ds4_u8 chosen[RT_MAXE];
+    __shared__ int by_rank[RT_MAXK];
+    __shared__ int winners;
     int l = blockIdx.x;
     const float* x = logits + (long long)l * E;
+    if (threadIdx.x == 0) winners = 0;
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
         float v = sqrtf(ds4_softplus(x[i]));
         s[i] = v;
         sel[i] = bias ? v + bias[i] : v;
-        chosen[i] = 0;
     }
     __syncthreads();
     if (!hash_ids) {
-        // rank of i = how many beat it (higher score, or equal score at a lower index)
+        // rank of i = how many beat it (higher score, or equal score at a lower index). Without
+        // NaNs the ranks are distinct and the k winners each own a slot of by_rank, so no thread
+        // scans all E flags; a NaN ranks 0 against everything, and then the winners are the
+        // first k flagged in index order.
         for (int i = threadIdx.x; i < E; i += blockDim.x) {
             float vi = sel[i];
             int rank = 0;
             for (int j = 0; j < E; ++j) rank += (sel[j] > vi || (sel[j] == vi && j < i)) ? 1 : 0;
             chosen[i] = rank < k ? 1 : 0;
+            if (rank < k) {
+                by_rank[rank] = i;
+                atomicAdd(&winners, 1);
+            }
         }
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
     int sel_ids[RT_MAXK];
-    if (hash_ids) {
+    if (hash_ids || winners == k) {
         for (int t = 0; t < k; ++t) {  // insertion sort: ascending ids
-            int v = hash_ids[(long long)l * k + t], p = t;
+            int v = hash_ids ? hash_ids[(long long)l * k + t] : by_rank[t], p = t;
             while (p > 0 && sel_ids[p - 1] > v) { sel_ids[p] = sel_ids[p - 1]; --p; }
             sel_ids[p] = v;
         }

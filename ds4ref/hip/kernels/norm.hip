@@ -30,7 +30,10 @@ extern "C" __global__ void ds4_rmsnorm(const float* __restrict__ x, const float*
 // ds4_rmsnorm for rows that feed quantised products: the same y, and y's int8 rows
 // (ds4_q8.h: xq row n at n*D, dx at n*D/32, xs at n*D/16; D % 32 == 0), so the products
 // reading this norm's output share one quantisation instead of each making its own.
-// A warp per 32-column block of y, a column per lane.
+// Grid (rows, ceil(D / 256)): block (n, s) forms row n's denominator (every block of the row
+// the same bits, in the same order) and writes columns 256 s .. 256 s + 255, a warp per
+// 32-column block: a row's quantisation is spread over the machine instead of one block
+// walking D / 256 blocks a warp, each a chain of shuffles.
 extern "C" __global__ void ds4_rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w,
                                           float* __restrict__ y, int D, float eps, const int* lane_slot,
                                           ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
@@ -39,13 +42,14 @@ extern "C" __global__ void ds4_rmsnorm_q8(const float* __restrict__ x, const flo
     long long n = blockIdx.x;
     const float* xr = x + n * D;
     float* yr = y + n * D;
-    float den = rms_den(xr, D, eps, scratch);
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, nwarps = blockDim.x / DS4_WARP;
-    for (int b = warp; b < D / QB; b += nwarps) {
-        int c = b * QB + lane;
-        float t = xr[c] / den;
-        float v = w ? w[c] * t : t;
-        yr[c] = v;
-        ds4_q8_warp(v, xq + n * D + (long long)b * QB, dx + n * (D / QB) + b, xs + n * (D / 16) + 2 * b);
-    }
+    int b = (int)blockIdx.y * nwarps + warp;
+    int c = b * QB + lane;
+    float xc = b < D / QB ? xr[c] : 0.0f, wc = w && b < D / QB ? w[c] : 1.0f;  // in flight during the sum
+    float den = rms_den(xr, D, eps, scratch);
+    if (b >= D / QB) return;
+    float t = xc / den;
+    float v = w ? wc * t : t;
+    yr[c] = v;
+    ds4_q8_warp(v, xq + n * D + (long long)b * QB, dx + n * (D / QB) + b, xs + n * (D / 16) + 2 * b);
 }

@@ -2,29 +2,52 @@
 // kv, score (R, C, D) -> (R, D). Candidates scored -inf weigh 0; all -inf gives 0.
 // Ratio 4 pools 8 candidates (the previous window's overlap lane plus the current
 // window), ratio 128 pools 128; both are this kernel with a different C.
-// One thread per (row, channel), candidates summed in order. At one lane the kernel is a
-// few warps, so its time is each thread's chain of loads: the loops are unrolled by 8
-// (NVRTC unrolls by 4 unasked) so more candidates' loads are in flight before the in-order
-// adds.
+// Per channel: mx = the max score (fmaxf: any order gives the same value), then
+// den = sum e_c and num = sum e_c * kv_c over c in increasing order, e_c = exp(score_c - mx).
+// The exps are independent, so a block's 256 threads form them for 32 channels x up to
+// PW_CC candidates into shared memory, and one thread per channel runs the in-order sums:
+// at one lane a ratio-128 window is then 16 blocks instead of two, and no thread waits out
+// 128 exps in a row.
 #include "ds4_hip.h"
 
+#define PW_CH 32    // channels a block
+#define PW_CC 128   // candidates staged at a time
+#define PW_PARTS 8  // threads a channel
+
+// Grid (ceil(D / PW_CH), R), PW_CH * PW_PARTS threads.
 extern "C" __global__ void ds4_pool_window(const float* __restrict__ kv, const float* __restrict__ score,
                                            float* __restrict__ out, int R, int C, int D) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)R * D) return;
-    int r = (int)(idx / D), d = (int)(idx % D);
+    __shared__ float se[PW_CC][PW_CH];
+    __shared__ float sp[PW_CC][PW_CH];
+    __shared__ float smx[PW_PARTS][PW_CH];
+    int r = blockIdx.y, ch = threadIdx.x % PW_CH, part = threadIdx.x / PW_CH;
+    int d = (int)blockIdx.x * PW_CH + ch;
+    bool ok = d < D;
     const float* sr = score + (long long)r * C * D + d;
     const float* kr = kv + (long long)r * C * D + d;
     float mx = -DS4_INF;
-#pragma unroll 8
-    for (int c = 0; c < C; ++c) mx = fmaxf(mx, sr[(long long)c * D]);
+    if (ok)
+        for (int c = part; c < C; c += PW_PARTS) mx = fmaxf(mx, sr[(long long)c * D]);
+    smx[part][ch] = mx;
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < PW_PARTS; ++p) mx = fmaxf(mx, smx[p][ch]);
     if (!(mx > -DS4_INF && mx < DS4_INF)) mx = 0.0f;
     float den = 0.0f, num = 0.0f;
-#pragma unroll 8
-    for (int c = 0; c < C; ++c) {
-        float e = ds4_exp(sr[(long long)c * D] - mx);
-        den += e;
-        num += e * kr[(long long)c * D];
+    for (int c0 = 0; c0 < C; c0 += PW_CC) {
+        int cc = C - c0 < PW_CC ? C - c0 : PW_CC;
+        __syncthreads();  // the previous candidates are summed
+        for (int c = part; c < cc; c += PW_PARTS) {
+            float e = ok ? ds4_exp(sr[(long long)(c0 + c) * D] - mx) : 0.0f;
+            se[c][ch] = e;
+            sp[c][ch] = ok ? e * kr[(long long)(c0 + c) * D] : 0.0f;
+        }
+        __syncthreads();
+        if (part == 0)
+            for (int c = 0; c < cc; ++c) {
+                den += se[c][ch];
+                num += sp[c][ch];
+            }
     }
-    out[idx] = den > 0.0f ? num / den : 0.0f;
+    if (part == 0 && ok) out[(long long)r * D + d] = den > 0.0f ? num / den : 0.0f;
 }

@@ -1,6 +1,5 @@
 // qgemm.hip - prompt passes' quantised products as a tiled int8 GEMM, in docs/exactness.md §2a's
-// order (its own file: the unrolled chains take NVRTC some 20 s, which no server start should pay
-// while the backend does not take these kernels).
+// order (its own file, compiled a type at a time: the unrolled chains take NVRTC seconds per type).
 #include "ds4_mv3.h"
 #include "ds4_q8.h"
 #include "ds4_qblock.h"
@@ -8,8 +7,6 @@
 #define MQ_WARPS 8
 
 // ---- prompt passes: a tiled int8 GEMM in §2a's order -----------------------------------------
-// Not taken by the backend yet: written without a GPU at hand, it waits for its twin
-// (tests/gpu/test_ops_gpu.py::test_qgemm_every_type) to pass before ops.launch_qmatvec uses it.
 // The butterfly over the 32 partials is a tree; evaluated in post-order it visits the partials in
 // 5-bit bit-reversed order (0, 16, 8, 24, 4, ...), and after leaf q the pending sums are those of
 // a binary counter: pop as many as q has trailing ones, add each on the left, push the result.
@@ -53,36 +50,46 @@ __device__ __forceinline__ void qg_fetch(const QgCtx& c, int b, const Iq2Tables*
     qm_load<WT>(c.brow, c.K, b, c.sp, w, iq2);
 }
 
+// This thread's share of the next block to stage, fetched while the current one is computed.
+struct QgNext {
+    uint2 av;
+    float dv;
+    int xv;
+    QBlock w;
+};
+
 // Chain p (blocks p, p + 32, ... in increasing order, fma from +0, as mq_rows) of the warp's
-// 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816).
+// 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816). nx holds block p
+// on entry; on exit, block p_next (the next chain's first, when there is one): the fetches run a
+// block ahead across chains too, so a chain of one block (K = 1024) waits on no load.
 template <int WT>
-__device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p,
-                                         float (&acc)[4][4]) {
+__device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p, int p_next,
+                                         QgNext& nx, float (&acc)[4][4]) {
     const bool has_min = QHasMin<WT>::value;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[ni][e] = 0.0f;
-    // block b's staged bytes are loaded while block b - 32 is computed
-    uint2 av = make_uint2(0u, 0u);
-    float dv = 0.0f;
-    int xv = 0;
-    QBlock w;
-    if (p < c.nb) qg_fetch<WT>(c, p, iq2, av, dv, xv, w);
+    if (p >= c.nb) {  // K < 32 blocks: an empty chain hands the fetch on
+        if (p_next < c.nb) qg_fetch<WT>(c, p_next, iq2, nx.av, nx.dv, nx.xv, nx.w);
+        return;
+    }
     for (int b = p; b < c.nb; b += DS4_WARP) {
         __syncthreads();  // the previous block is consumed
-        *(uint2*)(st.a + c.so * QG_STRIDE + 8 * c.sp) = av;
-        *(int*)(st.b + c.so * QG_STRIDE + 4 * c.sp) = w.c[0];
-        *(int*)(st.b + c.so * QG_STRIDE + 16 + 4 * c.sp) = w.c[4];
+        *(uint2*)(st.a + c.so * QG_STRIDE + 8 * c.sp) = nx.av;
+        *(int*)(st.b + c.so * QG_STRIDE + 4 * c.sp) = nx.w.c[0];
+        *(int*)(st.b + c.so * QG_STRIDE + 16 + 4 * c.sp) = nx.w.c[4];
         if (c.sp == 0) {
-            st.d[c.so] = dv;
-            st.x[c.so] = xv;
-            st.s1[c.so] = w.s1;
-            st.s2[c.so] = w.s2;
-            st.m[c.so] = (w.mul0 & 0xff) | ((w.mul1 & 0xff) << 8) | ((w.mn0 & 0xff) << 16) | ((w.mn1 & 0xff) << 24);
+            st.d[c.so] = nx.dv;
+            st.x[c.so] = nx.xv;
+            st.s1[c.so] = nx.w.s1;
+            st.s2[c.so] = nx.w.s2;
+            st.m[c.so] = (nx.w.mul0 & 0xff) | ((nx.w.mul1 & 0xff) << 8) | ((nx.w.mn0 & 0xff) << 16) |
+                         ((nx.w.mn1 & 0xff) << 24);
         }
         __syncthreads();
-        if (b + DS4_WARP < c.nb) qg_fetch<WT>(c, b + DS4_WARP, iq2, av, dv, xv, w);
+        int nb_next = b + DS4_WARP < c.nb ? b + DS4_WARP : p_next;
+        if (nb_next < c.nb) qg_fetch<WT>(c, nb_next, iq2, nx.av, nx.dv, nx.xv, nx.w);
         int r1 = c.r0 + 8;
         int a[2][2];
 #pragma unroll
@@ -122,12 +129,12 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
 // the pending sums are a binary counter's (pop as many as Q has trailing ones, each added on the
 // left, push the result), every index known at compile time.
 template <int WT, int Q>
-__device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2Tables* iq2,
+__device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, QgNext& nx,
                                           float (&stack)[5][4][4]) {
     if constexpr (Q < DS4_WARP) {
         constexpr int depth = qg_popc(Q), pops = qg_trailing_ones(Q);
         float acc[4][4];
-        qg_chain<WT>(c, st, iq2, qg_bitrev5(Q), acc);
+        qg_chain<WT>(c, st, iq2, qg_bitrev5(Q), Q + 1 < DS4_WARP ? qg_bitrev5(Q + 1) : c.nb, nx, acc);
 #pragma unroll
         for (int j = 0; j < pops; ++j)
 #pragma unroll
@@ -138,7 +145,7 @@ __device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2
         for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) stack[depth - pops][ni][e] = acc[ni][e];
-        qg_leaves<WT, Q + 1>(c, st, iq2, stack);
+        qg_leaves<WT, Q + 1>(c, st, iq2, nx, stack);
     }
 }
 
@@ -174,7 +181,12 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
     c.r0 = 16 * wr + c.g;
     c.ob = 32 * wc;
     float stack[5][4][4];
-    qg_leaves<WT, 0>(c, st, iq2, stack);
+    QgNext nx;  // block 0 (chain 0's first) before the walk
+    nx.av = make_uint2(0u, 0u);
+    nx.dv = 0.0f;
+    nx.xv = 0;
+    if (c.nb > 0) qg_fetch<WT>(c, 0, iq2, nx.av, nx.dv, nx.xv, nx.w);
+    qg_leaves<WT, 0>(c, st, iq2, nx, stack);
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -192,8 +204,20 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                             \
     }
 
+// Each start compiles only the types it launches (ops.launch_qmatvec passes -DQG_BUILD=<WT_*>): the
+// unrolled chains cost NVRTC seconds per type.
+#if !defined(QG_BUILD) || QG_BUILD == WT_Q8_0
 DS4_QGEMM(ds4_qgemm_q8_0, WT_Q8_0)
+#endif
+#if !defined(QG_BUILD) || QG_BUILD == WT_Q2_K
 DS4_QGEMM(ds4_qgemm_q2_k, WT_Q2_K)
+#endif
+#if !defined(QG_BUILD) || QG_BUILD == WT_Q4_K
 DS4_QGEMM(ds4_qgemm_q4_k, WT_Q4_K)
+#endif
+#if !defined(QG_BUILD) || QG_BUILD == WT_IQ2_XXS
 DS4_QGEMM(ds4_qgemm_iq2_xxs, WT_IQ2_XXS)
+#endif
+#if !defined(QG_BUILD) || QG_BUILD == WT_MXFP4
 DS4_QGEMM(ds4_qgemm_mxfp4, WT_MXFP4)
+#endif
