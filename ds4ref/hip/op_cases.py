@@ -454,20 +454,31 @@ def perf_grouped(b, L):
           [lambda w=w: g.launch_matvec(b.rt, w, x, y, L, groups=8, ldx=8 * 4096, xg=4096, ldy=8192) for w in ws])
 
 
+def _flash_routing(b, L):
+    """Flash's routed-expert shape (256 experts of 2048 x 4096, top 6) with distinct random ids
+    for L lanes among the backend's 16: (E, kk, ff, d, lanes, a launcher of step_expert_list that
+    returns its list, experts touched)."""
+    E, kk, ff, d = 256, 6, 2048, 4096
+    P = max(L, g.MAX_LANES)
+    ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
+    slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
+    listk = b.rt.compile_file("step_ops.hip").kernel("step_expert_list")
+    idb, slb = b.up(ids), b.up(slot)
+    elist = b.out((g.expert_list_ints(E, kk, P),), I32)
+
+    def make_list():
+        b.rt.launch(listk, (1,), (256,), (idb, slb, I32(P), I32(kk), I32(E), elist))
+        return elist
+    return E, kk, ff, d, P, make_list, len(np.unique(ids[:L]))
+
+
 def perf_experts(b, L):
     """step_expert_list + step_experts3 at Flash dims: 256 experts of 2048 x 4096 (gate/up) and
     4096 x 2048 (down), bf16, top-6 distinct random ids per lane; only the chosen experts'
     bytes are counted."""
     rt = b.rt
-    E, kk, ff, d = 256, 6, 2048, 4096
-    P = max(L, g.MAX_LANES)
-    ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
-    slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
-    listk = rt.compile_file("step_ops.hip").kernel("step_expert_list")
-    idb, slb = b.up(ids), b.up(slot)
-    elist = b.out((g.expert_list_ints(E, kk, P),), I32)
+    E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
     one = g.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
-    touched = len(np.unique(ids[:L]))
     for name, N, K, per_choice in (("experts gate bf16 256x2048x4096", ff, d, 0),
                                    ("experts down bf16 256x4096x2048", d, ff, 1)):
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
@@ -475,8 +486,7 @@ def perf_experts(b, L):
         y = b.out((P * kk, N))
         for r in (1, 2, 4):
             def run(r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb):
-                rt.launch(listk, (1,), (256,), (idb, slb, I32(P), I32(kk), I32(E), elist))
-                g.launch_routed_experts(rt, wb, "bf16", r, x, pc, elist, y, N, K, kk)
+                g.launch_routed_experts(rt, wb, "bf16", r, x, pc, make_list(), y, N, K, kk)
             b.add(f"{name} [r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N), [run],
                   f"{touched} experts touched")
 
@@ -486,14 +496,7 @@ def perf_qexperts(b, L):
     2048 x 4096 (gate) and Q2_K 4096 x 2048 (down), top-6 distinct random ids per lane; only the
     chosen experts' bytes are counted."""
     rt = b.rt
-    E, kk, ff, d = 256, 6, 2048, 4096
-    P = max(L, g.MAX_LANES)
-    ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
-    slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
-    listk = rt.compile_file("step_ops.hip").kernel("step_expert_list")
-    idb, slb = b.up(ids), b.up(slot)
-    elist = b.out((g.expert_list_ints(E, kk, P),), I32)
-    touched = len(np.unique(ids[:L]))
+    E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
     for name, wtype, N, K, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
                                           ("experts down q2_k 256x4096x2048", "q2_k", d, ff, 1)):
         one = g.pack_qrows(wtype, make_weight(0, N, K, wtype)[0])
@@ -504,7 +507,7 @@ def perf_qexperts(b, L):
         x, y = b.up(b.rnd(rows, K)), b.out((P * kk, N))
 
         def run(N=N, K=K, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
-            rt.launch(listk, (1,), (256,), (idb, slb, I32(P), I32(kk), I32(E), elist))
+            elist = make_list()
             g.launch_quantize_q8(rt, x, q, rows, K)
             g.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, K, kk)
         b.add(name, L, touched * one.nbytes + 4 * L * kk * (K + N), [run], f"{touched} experts touched")

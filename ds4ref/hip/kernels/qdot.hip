@@ -24,29 +24,33 @@
 #define MQ_SMEM 40960     // staged bytes per block: int8 codes, their scales and half sums
 #define MQ_CHUNK_UNIT 1024  // a chunk starts at a multiple of 32 blocks, so lane t keeps block b % 32 == t
 
-// Blocks per lane whose weight bytes are loaded before any is used: as many as the registers of
-// two resident blocks a multiprocessor hold without spilling (ptxas -v, sm_90).
-#ifndef MQ_AHEAD_NARROW
-#define MQ_AHEAD_NARROW 4  // IQ2_XXS, MXFP4
+// Blocks per lane whose weight bytes are loaded before any is used (R = 2; halved at R = 4).
+// 1, 2 and 4 measured within a few per cent of each other on the H200 (the expert products at
+// 1, 16 and 256 lanes), 2 the fastest for IQ2_XXS at 1 and 16; more cost registers.
+#ifndef MQ_AHEAD
+#define MQ_AHEAD 2
 #endif
-#ifndef MQ_AHEAD_WIDE
-#define MQ_AHEAD_WIDE 2    // Q8_0, Q2_K, Q4_K
-#endif
+// Blocks a multiprocessor the registers must allow: 1 measured 20-60 % slower.
 #ifndef MQ_MIN_BLOCKS
 #define MQ_MIN_BLOCKS 2
 #endif
-#ifndef QX_CONTIGUOUS
-#define QX_CONTIGUOUS 1    // a block's work items: a contiguous run (1) or every gridDim.x-th (0)
+// A routed-expert block's work items: a contiguous run (1), reusing an entry's staged inputs,
+// or every gridDim.x-th (0), so that the blocks running at once share an expert. Measured on
+// the H200 (op-case table, 1 / 16 / 256 lanes): IQ2_XXS gate 34.7 / 271 / 1623 us strided against
+// 37.7 / 264 / 2049 contiguous, Q2_K down 35.4 / 332 / 2202 against 33.1 / 257 / 2021.
+#ifndef QX_CONTIGUOUS_NARROW
+#define QX_CONTIGUOUS_NARROW 0  // IQ2_XXS, MXFP4
 #endif
-template <int WT>
-struct MqAhead { static const int value = WT == WT_IQ2_XXS || WT == WT_MXFP4 ? MQ_AHEAD_NARROW : MQ_AHEAD_WIDE; };
+#ifndef QX_CONTIGUOUS_WIDE
+#define QX_CONTIGUOUS_WIDE 1    // Q8_0, Q2_K, Q4_K
+#endif
 
 // Rows of row block rblk (8*R rows, rb bytes apart from Wb) for na inputs: input a's codes at
 // xq + xoff[a] (K bytes), its scales at dx + doff[a] and half sums at xs + soff[a] (element
 // offsets), and y[ybase[a] + r] receives row r's product. xoff/doff/soff/ybase live in shared
 // memory and are written before the first barrier here. With reuse, smem already holds these
 // inputs from the previous call (same inputs, all of K staged): nothing is staged again.
-// A lane loads the weight bytes of up to MqAhead of its blocks before decoding any, and the
+// A lane loads the weight bytes of up to MQ_AHEAD of its blocks before decoding any, and the
 // first of those loads are issued before the inputs are staged, so the memory latencies overlap;
 // the lane's blocks still enter its partial in increasing order.
 template <int WT, int R>
@@ -64,7 +68,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
     int KC = (MQ_SMEM / na) / per16 * 16 / MQ_CHUNK_UNIT * MQ_CHUNK_UNIT;
     if (KC > K) KC = K;
     bool stage = !reuse || KC < K;
-    const int ahead = R > 2 ? (MqAhead<WT>::value * 2 / R > 0 ? MqAhead<WT>::value * 2 / R : 1) : MqAhead<WT>::value;
+    const int ahead = R > 2 ? (MQ_AHEAD * 2 / R > 0 ? MQ_AHEAD * 2 / R : 1) : MQ_AHEAD;
     float acc[R][MV_LANES];
 #pragma unroll
     for (int i = 0; i < R; ++i)
@@ -193,7 +197,6 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
 
 DS4_QMATVEC(ds4_qmatvec_q8_0_r1, WT_Q8_0, 1)
 DS4_QMATVEC(ds4_qmatvec_q8_0_r2, WT_Q8_0, 2)
-DS4_QMATVEC(ds4_qmatvec_q8_0_r4, WT_Q8_0, 4)
 DS4_QMATVEC(ds4_qmatvec_q2_k_r1, WT_Q2_K, 1)
 DS4_QMATVEC(ds4_qmatvec_q2_k_r2, WT_Q2_K, 2)
 DS4_QMATVEC(ds4_qmatvec_q4_k_r1, WT_Q4_K, 1)
@@ -217,13 +220,13 @@ __device__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8
     __shared__ long long xoff[QX_PAIRS], doff[QX_PAIRS], soff[QX_PAIRS], ybase[QX_PAIRS];
     __shared__ Iq2Tables iq2[1];
     if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);  // visible after the first item's staging barrier
-    // A block takes a contiguous run of work items, so consecutive items mostly share an entry
-    // and its staged inputs are reused instead of staged again for every row block.
+    // Consecutive items of a block that share an entry reuse its staged inputs (contiguous runs).
     int rblocks = (N + MQ_WARPS * R - 1) / (MQ_WARPS * R);
     int n_items = list[0] * rblocks;
-    int per = QX_CONTIGUOUS ? (n_items + gridDim.x - 1) / gridDim.x : 1;
-    int step = QX_CONTIGUOUS ? 1 : gridDim.x;
-    int w1 = QX_CONTIGUOUS && (blockIdx.x + 1) * per < n_items ? (blockIdx.x + 1) * per : n_items;
+    const bool contiguous = WT == WT_IQ2_XXS || WT == WT_MXFP4 ? QX_CONTIGUOUS_NARROW : QX_CONTIGUOUS_WIDE;
+    int per = contiguous ? (n_items + gridDim.x - 1) / gridDim.x : 1;
+    int step = contiguous ? 1 : gridDim.x;
+    int w1 = contiguous && (blockIdx.x + 1) * per < n_items ? (blockIdx.x + 1) * per : n_items;
     int staged = -1;
     for (int w = blockIdx.x * per; w < w1; w += step) {
         int u = w / rblocks;

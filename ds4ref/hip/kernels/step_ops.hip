@@ -78,37 +78,31 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 // order, so an expert's entries sit side by side and read its rows at about the same time.
 #define EL_STRIDE (2 + EL_PAIRS)
 
-// One block of 256 threads; E <= 1024. Every thread walks all L x kk choices for its experts,
-// so the choices are first staged in shared memory (up to EL_STAGE of them; -1 for a padding
-// lane's and for a repeat of an expert within a lane, which counts once): read from global
-// memory they made a 256-row pass's list cost a quarter of a millisecond.
+// One block of 256 threads; E <= 1024. Every thread walks all L x kk choices for its experts
+// (an expert counts once a lane, at its first choice). A decode pass (L <= 16) reads them from
+// global memory, skipping padding lanes; a prompt pass first stages them in shared memory (-1
+// for a padding lane's): read from global memory they made a 256-row pass's list cost 232 us,
+// against 147 staged, while staging made a decode pass's 12 us from 6 (H200, docs/performance.md).
 #define EL_STAGE 4096
-__device__ __forceinline__ int el_choice(const int* sid, const int* ids, const int* slot, int l, int kk, int t,
-                                         bool staged) {
-    if (staged) return sid[l * kk + t];
-    if (slot[l] < 0) return -1;
-    int e = ids[l * kk + t];
-    for (int u = 0; u < t; ++u)
-        if (ids[l * kk + u] == e) return -1;
-    return e;
-}
+#define EL_DIRECT_LANES 16
 
 extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int L,
                                             int kk, int E, int* __restrict__ list) {
     __shared__ int cnt[1024];
     __shared__ int first[1024];
     __shared__ int sid[EL_STAGE];
-    bool staged = L * kk <= EL_STAGE;
+    bool staged = L > EL_DIRECT_LANES && L * kk <= EL_STAGE;
     if (staged)
-        for (int i = threadIdx.x; i < L * kk; i += blockDim.x) {
-            int l = i / kk, t = i % kk;
-            sid[i] = el_choice(sid, ids, slot, l, kk, t, false);
-        }
+        for (int i = threadIdx.x; i < L * kk; i += blockDim.x) sid[i] = slot[i / kk] < 0 ? -1 : ids[i];
     __syncthreads();
+    const int* ch = staged ? sid : ids;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int c = 0;
-        for (int l = 0; l < L; ++l)
-            for (int t = 0; t < kk; ++t) c += el_choice(sid, ids, slot, l, kk, t, staged) == e ? 1 : 0;
+        for (int l = 0; l < L; ++l) {
+            if (!staged && slot[l] < 0) continue;
+            for (int t = 0; t < kk; ++t)
+                if (ch[l * kk + t] == e) { ++c; break; }
+        }
         cnt[e] = c;
     }
     __syncthreads();
@@ -121,9 +115,10 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         if (cnt[e] == 0) continue;
         int c = 0;
-        for (int l = 0; l < L; ++l)
+        for (int l = 0; l < L; ++l) {
+            if (!staged && slot[l] < 0) continue;
             for (int t = 0; t < kk; ++t)
-                if (el_choice(sid, ids, slot, l, kk, t, staged) == e) {
+                if (ch[l * kk + t] == e) {
                     int* ent = list + 1 + (first[e] + c / EL_PAIRS) * EL_STRIDE;
                     if (c % EL_PAIRS == 0) {
                         ent[0] = e;
@@ -131,7 +126,9 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
                     }
                     ent[2 + c % EL_PAIRS] = l * kk + t;
                     ++c;
+                    break;
                 }
+        }
     }
     if (threadIdx.x == 0) list[0] = first[E - 1] + (cnt[E - 1] + EL_PAIRS - 1) / EL_PAIRS;
 }

@@ -272,18 +272,6 @@ extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long 
 #define IX_QMAX 8192   // Hi * Di staged floats
 #define IX_DPL 4       // Di <= 128
 
-// One step of step_indexer_paged's reduce-scatter: heads 0 .. 2 HALF - 1 in v become HALF, the
-// lower or upper half by lane & M, each its own value plus lane ^ M's.
-template <int M, int HALF>
-__device__ __forceinline__ void ix_scatter_step(float (&v)[2 * DS4_WARP], int lane) {
-    bool up = (lane & M) != 0;
-#pragma unroll
-    for (int j = 0; j < HALF; ++j) {
-        float keep = up ? v[j + HALF] : v[j], send = up ? v[j] : v[j + HALF];
-        v[j] = keep + DS4_SHFL_XOR(send, M);
-    }
-}
-
 // score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], -inf beyond,
 // row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
 extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
@@ -311,34 +299,6 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
         float kv[IX_DPL];
         for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? row_get(kr, f, lane + DS4_WARP * t) : 0.0f;
         float total = 0.0f;
-        if (Hi == 2 * DS4_WARP) {  // Flash's 64 heads: the 64 butterflies as one reduce-scatter
-            // At step m a lane and its partner lane ^ m hold the same heads; each keeps half of
-            // them (the upper half where lane & m) and adds the partner's value of each kept head
-            // to its own: the butterfly's operands in the butterfly's order, one shuffle per kept
-            // head instead of one per head. Lane l ends with heads 2l and 2l + 1, which lane 0
-            // then takes in head order for the relu-weighted sum.
-            float v[2 * DS4_WARP];
-#pragma unroll
-            for (int h = 0; h < 2 * DS4_WARP; ++h) {
-                float part = 0.0f;
-#pragma unroll
-                for (int t = 0; t < IX_DPL; ++t)
-                    if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
-                v[h] = part;
-            }
-            ix_scatter_step<16, 32>(v, lane);
-            ix_scatter_step<8, 16>(v, lane);
-            ix_scatter_step<4, 8>(v, lane);
-            ix_scatter_step<2, 4>(v, lane);
-            ix_scatter_step<1, 2>(v, lane);
-            float t0 = fmaxf(v[0], 0.0f) * ws[2 * lane], t1 = fmaxf(v[1], 0.0f) * ws[2 * lane + 1];
-            for (int q = 0; q < DS4_WARP; ++q) {
-                float a = DS4_SHFL(t0, q), b = DS4_SHFL(t1, q);
-                total = (total + a) + b;
-            }
-            if (lane == 0) out[(long long)l * ncap + n] = total;
-            continue;
-        }
         for (int h = 0; h < Hi; ++h) {
             float part = 0.0f;
             for (int t = 0; t < IX_DPL; ++t)
