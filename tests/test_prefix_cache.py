@@ -117,12 +117,31 @@ def test_a_second_turn_resumes_at_the_deepest_snapshot():
     assert eng.finishes[0].cached_tokens == 399
     st_ = eng.seq_engine.stats()
     assert st_["prefix_hits"] == 1 and st_["prefix_misses"] == 1 and st_["prefix_cached_tokens"] == 399
-    assert st_["prefix_tail_hits"] == 1 and st_["prefix_tails"] == 2  # turn 2 left its own
+    # each turn left two: at its prompt's end (a copy of the partial page) and at its own end
+    assert st_["prefix_tail_hits"] == 1 and st_["prefix_tails"] == 4
     # a prompt that leaves no token after the tail, or leaves the tail's tokens, resumes at page 3's start
     for tokens in (first.prompt_ids + out1[:-1], first.prompt_ids + out1[:90] + [0]):
         eng.run([Request(tokens, 3, ignore_eos=True)])
         assert eng.finishes[0].cached_tokens == 3 * T
     assert eng.seq_engine.stats()["prefix_tail_hits"] == 1
+    check_no_leak(eng)
+
+
+def test_a_next_turn_that_renders_the_reply_anew_resumes_at_the_prompts_end():
+    """A client resends the prompt and its own rendering of the reply (thinking dropped, text
+    tokenised anew), not the generated tokens: the tail at the sequence's end cannot match, the
+    one taken at the prompt's end does, and the rest is computed bit for bit as from scratch."""
+    eng = Engine(toy_model(), max_concurrency=2, backend="hash")
+    first = Request(history(11, 2 * T + 37), 20, ignore_eos=True)
+    out1 = eng.run([first])[0]
+    rendered = [(t + 1) % VOCAB for t in out1]  # differs from the reply at its first token
+    second = Request(first.prompt_ids + rendered + history(12, 40), 10, ignore_eos=True)
+    assert eng.run([second])[0] == reference_tokens(second.prompt_ids, 10, VOCAB)
+    assert eng.finishes[0].cached_tokens == len(first.prompt_ids)
+    assert eng.seq_engine.stats()["prefix_tail_hits"] == 1
+    # the prompt's tail is a copy: a prompt that ends on a page boundary leaves none
+    eng.run([Request(history(13, 2 * T), 3, ignore_eos=True)])
+    assert eng.seq_engine.cache.tails == 5  # first's two, second's two, and the third's end only
     check_no_leak(eng)
 
 
@@ -141,7 +160,8 @@ def test_idle_cached_pages_are_evicted_least_recent_first_and_never_while_mapped
     cache = eng.seq_engine.cache
     a = Request(history(3, 3 * T + 5), 2, ignore_eos=True)
     eng.run([a])
-    assert cache.pages == 4 and cache.tails == 1  # 3 full pages, and the partial one as a tail
+    # 3 full pages, the partial one as a tail, and the prompt's end as a tail of its own (a copy)
+    assert cache.pages == 5 and cache.tails == 2
     b = Request(history(4, 5 * T + 5), 2, ignore_eos=True)  # needs 6 pages: evicts a's
     assert eng.run([b])[0] == reference_tokens(b.prompt_ids, 2, VOCAB)
     assert eng.seq_engine.stats()["prefix_evictions"] >= 1

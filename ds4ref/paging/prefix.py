@@ -16,7 +16,9 @@ the prompt from scratch gives (tests/test_prefix_cache.py).
 
 A sequence that ends mid-page leaves a **tail**: its last, partial page
 and a snapshot at its last fed position, registered under the key of its full pages and the
-tail's tokens. A newcomer whose tokens continue those full pages with the tail's tokens (and
+tail's tokens. So does a prompt that ends mid-page, with a copy of its partial page: a chat's
+next turn resends the prompt, but the earlier reply as the client renders it (its thinking
+dropped, its text tokenised anew), which need not be the tokens that were generated. A newcomer whose tokens continue those full pages with the tail's tokens (and
 at least one more) maps the full pages, has the backend copy the tail page into a fresh page
 of its own (it writes the rest of that page itself), loads the tail's snapshot and feeds the
 rest. The tail page itself is never mapped, so it is idle but while a newcomer copies it.
@@ -191,11 +193,11 @@ class PrefixCache:
         return any(t.tokens == block for t in self._tails.get(parent, ()))
 
     def register_tail(self, owner, handle: PageHandle, parent: bytes, index: int, tokens: Sequence[int],
-                      snapshot: int) -> bool:
+                      snapshot: int, mapped: bool = True) -> bool:
         """Page `handle` of `owner` holds the rows of `tokens` (fewer than a page, after the full
         pages keyed `parent`) and `snapshot` the state after them: the cache takes both, owner
-        still mapping the page until it releases it. False (owner keeps both) when an equal
-        tail is cached already."""
+        still mapping the page until it releases it (not mapped: a copy nobody maps). False
+        (owner keeps both) when an equal tail is cached already."""
         block = tuple(int(t) for t in tokens)
         if not 0 < len(block) < self.pool.page_tokens:
             raise ValueError(f"a tail holds 1..{self.pool.page_tokens - 1} tokens, got {len(block)}")
@@ -203,8 +205,9 @@ class PrefixCache:
             return False
         self.pool.transfer(handle, owner, CACHE_OWNER)
         self._clock += 1
-        tail = CachedPage(handle, chain_key(parent, block), index, block, refs=1, snapshot=snapshot,
+        tail = CachedPage(handle, chain_key(parent, block), index, block, refs=int(mapped), snapshot=snapshot,
                           last_used=self._clock, parent=parent)
+        self._idle += not mapped
         self._pages[tail.key] = self._by_page[handle.page] = tail
         self._tails.setdefault(parent, []).append(tail)
         self._bound_snapshots(tail)

@@ -46,7 +46,7 @@ from ..console import plural
 from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, DraftRequest, Row, StepPlan, StepResult
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
-from ..paging.prefix import SNAPSHOTS_PER_SLOT, Match, PrefixCache
+from ..paging.prefix import CACHE_OWNER, SNAPSHOTS_PER_SLOT, Match, PrefixCache
 from .request import Request
 from .sampling import Choice, SlotSampler
 from .speculative import MIN_RATE, WINDOW, Acceptance, BackendDrafter, Drafter
@@ -293,6 +293,28 @@ class SeqEngine:
         if not self.cache.register_tail(s.slot, self.blocks.handles(s.slot)[j], parent, j, tokens, snapshot):
             self.backend.drop_state(snapshot)
 
+    def _cache_prompt_tail(self, s: Seq) -> None:
+        """s has just fed its whole prompt, maybe mid-page: a copy of that partial page, and s's
+        state, become a tail, so that a next turn whose rendering of s's reply differs from the
+        tokens s generates still resumes at the prompt's end. Taken only from a page no live
+        sequence is owed."""
+        T = self.pool.page_tokens
+        j, n = divmod(s.fed, T)
+        parent, tokens = s.keys[j - 1] if j else b"", s.prompt[j * T:s.fed]
+        if not n or self.cache.has_tail(parent, tokens) or self.pool.free_pages <= self.blocks.total_debt():
+            return
+        handle = self.pool.allocate(CACHE_OWNER)
+        try:
+            self.backend.copy_page(self.blocks.table(s.slot)[j], handle.page)
+            snapshot = self.backend.save_state(s.slot)
+        except MemoryError as exc:
+            self.pool.free(handle)
+            log.warning("prefix cache: no prompt tail at position %d of slot %d: %s", s.fed, s.slot, exc)
+            return
+        if not self.cache.register_tail(CACHE_OWNER, handle, parent, j, tokens, snapshot, mapped=False):
+            self.backend.drop_state(snapshot)
+            self.pool.free(handle)
+
     # ---- planning helpers ----------------------------------------------------------
     def live(self) -> list[Seq]:
         """Live sequences, oldest first."""
@@ -371,6 +393,8 @@ class SeqEngine:
                 j = len(s.keys)
                 s.keys.append(self.cache.register(s.slot, handles[j], s.keys[-1] if s.keys else b"", j,
                                                   history[j * T:(j + 1) * T]))
+        if s.fed == len(s.prompt) and self.tails:
+            self._cache_prompt_tail(s)
         b = s.fed // T
         if s.fed % T or not b or self.cache.has_snapshot(s.keys[-1]):
             return
