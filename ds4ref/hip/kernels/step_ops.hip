@@ -82,7 +82,7 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 // (an expert counts once a lane, at its first choice). A decode pass (L <= 16) reads them from
 // global memory, skipping padding lanes; a prompt pass first stages them in shared memory (-1
 // for a padding lane's): read from global memory they made a 256-row pass's list cost 232 us,
-// against 147 staged, while staging made a decode pass's 12 us from 6 (H200, docs/performance.md).
+// staged 190, while staging a decode pass's made it 12 us from 6 (H200, docs/performance.md).
 #define EL_STAGE 4096
 #define EL_DIRECT_LANES 16
 
