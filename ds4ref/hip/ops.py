@@ -919,7 +919,7 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
 
 # Passes of more rows than MMA_ROWS run dense quantised products as the tiled int8 GEMM
 # (qgemm.hip): 1.4x (Q8_0) to 2.5x (IQ2_XXS) the dp4a kernel at 256 rows on the H200
-# (docs/performance.md, "Prompt products as a tiled GEMM"), the same bits.
+# (docs/performance.md, "Latency-bound kernels spread out, ..."), the same bits.
 MMA_ROWS = 16
 # qgemm.hip's -DQG_BUILD values: ds4_mv3.h's WT_* codes
 _QG_BUILD = {"q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}

@@ -18,8 +18,9 @@ A sequence that ends mid-page leaves a **tail**: its last, partial page
 and a snapshot at its last fed position, registered under the key of its full pages and the
 tail's tokens. So does a prompt that ends mid-page, with a copy of its partial page: a chat's
 next turn resends the prompt, but the earlier reply as the client renders it (its thinking
-dropped, its text tokenised anew), which need not be the tokens that were generated. A newcomer whose tokens continue those full pages with the tail's tokens (and
-at least one more) maps the full pages, has the backend copy the tail page into a fresh page
+dropped, its text tokenised anew), which need not be the tokens that were generated. A
+newcomer whose tokens continue those full pages with the tail's tokens (and at least one
+more) maps the full pages, has the backend copy the tail page into a fresh page
 of its own (it writes the rest of that page itself), loads the tail's snapshot and feeds the
 rest. The tail page itself is never mapped, so it is idle but while a newcomer copies it.
 

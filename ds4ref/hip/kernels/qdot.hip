@@ -24,7 +24,7 @@
 #define MQ_SMEM 40960     // staged bytes per block: int8 codes, their scales and half sums
 #define MQ_CHUNK_UNIT 1024  // a chunk starts at a multiple of 32 blocks, so lane t keeps block b % 32 == t
 
-// Blocks per lane whose weight bytes are loaded before any is used (R = 2; halved at R = 4).
+// Blocks per lane whose weight bytes are loaded before any is used.
 // 1, 2 and 4 measured within a few per cent of each other on the H200 (the expert products at
 // 1, 16 and 256 lanes), 2 the fastest for IQ2_XXS at 1 and 16; more cost registers.
 #ifndef MQ_AHEAD
@@ -68,7 +68,6 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
     int KC = (MQ_SMEM / na) / per16 * 16 / MQ_CHUNK_UNIT * MQ_CHUNK_UNIT;
     if (KC > K) KC = K;
     bool stage = !reuse || KC < K;
-    const int ahead = R > 2 ? (MQ_AHEAD * 2 / R > 0 ? MQ_AHEAD * 2 / R : 1) : MQ_AHEAD;
     float acc[R][MV_LANES];
 #pragma unroll
     for (int i = 0; i < R; ++i)
@@ -84,10 +83,10 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
     for (int c0 = 0; c0 < K; c0 += KC) {
         int kc = K - c0 < KC ? K - c0 : KC;
         int nb = kc / QB;
-        for (int r0 = 0; r0 < nb; r0 += ahead * DS4_WARP) {
-            QRaw<WT> raw[ahead][R];
+        for (int r0 = 0; r0 < nb; r0 += MQ_AHEAD * DS4_WARP) {
+            QRaw<WT> raw[MQ_AHEAD][R];
 #pragma unroll
-            for (int j = 0; j < ahead; ++j) {
+            for (int j = 0; j < MQ_AHEAD; ++j) {
                 int lb = r0 + j * DS4_WARP + lane;
                 if (lb < nb)
 #pragma unroll
@@ -112,7 +111,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                 __syncthreads();
             }
 #pragma unroll
-            for (int j = 0; j < ahead; ++j) {
+            for (int j = 0; j < MQ_AHEAD; ++j) {
                 int lb = r0 + j * DS4_WARP + lane;
                 if (lb >= nb) break;
                 int b = c0 / QB + lb;
