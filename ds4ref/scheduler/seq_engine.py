@@ -276,44 +276,33 @@ class SeqEngine:
         self.blocks.release(slot)
         self.backend.reset_slot(slot)
 
-    def _cache_tail(self, s: Seq) -> None:
-        """Hand s's partial last page and its state after its last fed position to the cache."""
+    def _cache_tail(self, s: Seq, copy: bool = False) -> None:
+        """Hand the cache s's partial last page and its state after its last fed position: s's
+        own page when s ends; a copy when s has just fed its prompt (on a free page no live
+        sequence is owed), so that a next turn whose rendering of s's reply differs from the
+        tokens s generates still resumes at the prompt's end."""
         T = self.pool.page_tokens
         j, n = divmod(s.fed, T)
         if not n:  # at a boundary the page snapshots cover it
             return
         parent, tokens = s.keys[j - 1] if j else b"", s.history()[j * T:s.fed]
-        if self.cache.has_tail(parent, tokens):
+        if self.cache.has_tail(parent, tokens) or (copy and self.pool.free_pages <= self.blocks.total_debt()):
             return
+        handle = self.pool.allocate(CACHE_OWNER) if copy else self.blocks.handles(s.slot)[j]
         try:
+            if copy:
+                self.backend.copy_page(self.blocks.table(s.slot)[j], handle.page)
             snapshot = self.backend.save_state(s.slot)
         except MemoryError as exc:
-            log.warning("prefix cache: no tail snapshot at position %d of slot %d: %s", s.fed, s.slot, exc)
+            if copy:
+                self.pool.free(handle)
+            log.warning("prefix cache: no tail at position %d of slot %d: %s", s.fed, s.slot, exc)
             return
-        if not self.cache.register_tail(s.slot, self.blocks.handles(s.slot)[j], parent, j, tokens, snapshot):
+        if not self.cache.register_tail(CACHE_OWNER if copy else s.slot, handle, parent, j, tokens, snapshot,
+                                        mapped=not copy):
             self.backend.drop_state(snapshot)
-
-    def _cache_prompt_tail(self, s: Seq) -> None:
-        """s has just fed its whole prompt, maybe mid-page: a copy of that partial page, and s's
-        state, become a tail, so that a next turn whose rendering of s's reply differs from the
-        tokens s generates still resumes at the prompt's end. Taken only from a page no live
-        sequence is owed."""
-        T = self.pool.page_tokens
-        j, n = divmod(s.fed, T)
-        parent, tokens = s.keys[j - 1] if j else b"", s.prompt[j * T:s.fed]
-        if not n or self.cache.has_tail(parent, tokens) or self.pool.free_pages <= self.blocks.total_debt():
-            return
-        handle = self.pool.allocate(CACHE_OWNER)
-        try:
-            self.backend.copy_page(self.blocks.table(s.slot)[j], handle.page)
-            snapshot = self.backend.save_state(s.slot)
-        except MemoryError as exc:
-            self.pool.free(handle)
-            log.warning("prefix cache: no prompt tail at position %d of slot %d: %s", s.fed, s.slot, exc)
-            return
-        if not self.cache.register_tail(CACHE_OWNER, handle, parent, j, tokens, snapshot, mapped=False):
-            self.backend.drop_state(snapshot)
-            self.pool.free(handle)
+            if copy:
+                self.pool.free(handle)
 
     # ---- planning helpers ----------------------------------------------------------
     def live(self) -> list[Seq]:
@@ -394,7 +383,7 @@ class SeqEngine:
                 s.keys.append(self.cache.register(s.slot, handles[j], s.keys[-1] if s.keys else b"", j,
                                                   history[j * T:(j + 1) * T]))
         if s.fed == len(s.prompt) and self.tails:
-            self._cache_prompt_tail(s)
+            self._cache_tail(s, copy=True)
         b = s.fed // T
         if s.fed % T or not b or self.cache.has_snapshot(s.keys[-1]):
             return
