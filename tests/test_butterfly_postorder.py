@@ -1,4 +1,4 @@
-"""The tiled GEMM of prompt passes (qdot.hip, ds4_qgemm_*) adds §2a's 32 partials in the
+"""The tiled GEMM of prompt passes (qgemm.hip, ds4_qgemm_*) adds §2a's 32 partials in the
 butterfly's post-order: leaf q is partial bitrev5(q), and after it the pending sums are a binary
 counter's. That is the butterfly's result bit for bit, whatever the partials (float32 adds with
 the same operands in the same order)."""

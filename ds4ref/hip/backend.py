@@ -457,10 +457,9 @@ class HipBackend:
         c, ws = self.cfg, self._ws
         p = f"blk.{il}.hc_{part}_"
         self._mv(rec, p + "fn.weight", streams, ws["mix"])
-        rec.launch(K.kernel(rec, "hc", "ds4_hc_pre_finish"), (L,), (256,),
-                   (streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
-                    I32(c.hc_mult), I32(c.n_embd), F32(c.rms_eps), F32(c.hc_eps), I32(c.hc_sinkhorn_iters),
-                    ws["u"], ws["post"], ws["comb"]))
+        K.launch_hc_pre_finish(rec, streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
+                               c.hc_mult, c.n_embd, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                               ws["u"], ws["post"], ws["comb"], L)
 
     def _hc_post(self, rec, streams, y, out):
         L = rec.L

@@ -527,13 +527,11 @@ def perf_hc_pre(b, L):
     st, mix = b.up(b.rnd(L, hc, d)), b.out((L, mixn))
     base, scale = b.up(b.rnd(mixn)), b.up(np.ones(3, F32))
     u, post, comb = b.out((L, d)), b.out((L, hc)), b.out((L, hc, hc))
-    fin = g.kernel(rt, "hc", "ds4_hc_pre_finish")
     part = b.out((g.ksplit_floats(mixn, hc * d, L) or 1,))
 
     def run(fw):
         g.launch_matvec(rt, fw, st, mix, L, part=part)
-        rt.launch(fin, (L,), (256,), (st, mix, base, scale, I32(hc), I32(d), F32(1e-6), F32(1e-6), I32(20),
-                                      u, post, comb))
+        g.launch_hc_pre_finish(rt, st, mix, base, scale, hc, d, 1e-6, 1e-6, 20, u, post, comb, L)
     b.add("hc_pre (K-split proj + sinkhorn) hc=4", L, fbytes + 4 * L * (2 * hc * d + d),
           [lambda fw=fw: run(fw) for fw in fws])
 
@@ -727,7 +725,7 @@ CASES: tuple[OpCase, ...] = (
            dict(groups=[1, 2, 4], hpg=range(1, 4), D=[32, 64], rank=range(1, 41), wtype=["f32", "bf16"]),
            perf=perf_grouped),
     OpCase("hc_pre", ("ds4_hc_pre_finish", "ds4_matvec3_*"), g.hc_pre, ref.hc_pre, make_hc_pre,
-           dict(hc=[1, 2, 4], d=[64, 256], iters=range(1, 21)), perf=perf_hc_pre),
+           dict(hc=[1, 2, 4], d=[64, 256, 1100], iters=range(1, 21)), "prompt", perf=perf_hc_pre),
     OpCase("hc_post", ("ds4_hc_post",), g.hc_post, ref.hc_post,
            _same_args(lambda seed, N, hc, d: (rnd(seed, N, hc, d), rnd(seed + 1, N, d), rnd(seed + 2, N, hc),
                                               np.abs(rnd(seed + 3, N, hc, hc)))),

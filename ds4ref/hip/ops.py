@@ -450,6 +450,18 @@ def grouped_output(o, wo_a, wo_b, groups, wtype_a=None, wtype_b=None, rt=None):
 # ---------------------------------------------------------------------------
 
 HC_MAX = 8
+HC_COLS = 512  # ds4_hc_pre_finish: the columns of u a block forms in a decode pass
+
+
+def launch_hc_pre_finish(rt, streams, mix, base, scale, hc: int, d: int, rms_eps: float, hc_eps: float,
+                         iters: int, u, post, comb, rows: int) -> None:
+    """u, post and comb of rows mixes (hc.hip): per row a block for post and comb and blocks over
+    u's columns, HC_COLS a block in decode passes and all of them in prompt passes (each block
+    re-reads the row for its norm, which only a few rows can afford)."""
+    cols = HC_COLS if rows <= MAX_LANES else d
+    rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(rows, 1), 1 + _blocks(d, cols)), (256,),
+              (streams, mix, base, scale, I32(hc), I32(d), F32(rms_eps), F32(hc_eps), I32(iters), I32(cols),
+               u, post, comb))
 
 
 def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
@@ -470,9 +482,8 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
                 launch_matvec(rt, fw, view(sb, c0 * hc * d * 4, L * hc * d * 4),
                               view(mix, c0 * mixn * 4, L * mixn * 4), L, part=part)
             u, post, comb = s.out((n, d)), s.out((n, hc)), s.out((n, hc, hc))
-            rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(n, 1),), (256,),
-                      (sb, mix, s.up(_f32(base)), s.up(_f32(scale)), I32(hc), I32(d), F32(rms_eps),
-                       F32(hc_eps), I32(iters), u, post, comb))
+            launch_hc_pre_finish(rt, sb, mix, s.up(_f32(base)), s.up(_f32(scale)), hc, d, rms_eps, hc_eps, iters,
+                                 u, post, comb, n)
             return s.get(u, (n, d)), s.get(post, (n, hc)), s.get(comb, (n, hc, hc))
     finally:
         fw.buf.free()

@@ -37,6 +37,11 @@ typedef unsigned long long ds4_u64;
 #define DS4_INF (__int_as_float(0x7f800000))
 #define DS4_NAN (__int_as_float(0x7fc00000))
 
+// An entry of the routed experts' work list: expert id, pair count and up to EL_PAIRS (lane,
+// choice) pairs (the layout: step_ops.hip, step_expert_list; read by every expert kernel).
+#define EL_PAIRS 16
+#define EL_STRIDE (2 + EL_PAIRS)
+
 // ---- 16-bit floats as raw bits, converted explicitly ----------------------
 
 // bf16 is the top half of an f32: widening is exact.
@@ -91,18 +96,26 @@ __device__ __forceinline__ float ds4_warp_max(float v) {
 }
 
 // This thread's partial of a block's sum of squares (canon.sumsq's order): x[i]^2 for i = t,
-// t + nt, ... < n (t the thread, nt the block's threads) added in increasing i. Sixteen loads are
-// issued ahead of their adds: a load per add would wait out the memory latency every step (a
-// 4096-wide row is then one wait, hc's 4 x 4096 streams four).
+// t + nt, ... < n (t the thread, nt the block's threads) added in increasing i. AHEAD loads are
+// issued ahead of their adds: a load per add would wait out the memory latency every step (with
+// 16, a 4096-wide row is one wait; hc's 4 x 4096 streams take 64 for one).
+template <int AHEAD = 16>
 __device__ __forceinline__ float ds4_strided_sumsq(const float* __restrict__ x, int n) {
     float s = 0.0f;
     int t = threadIdx.x, nt = blockDim.x;
-    for (int i0 = t; i0 < n; i0 += 16 * nt) {
-        float v[16];
+    for (int i0 = t; i0 < n; i0 += AHEAD * nt) {
+        float v[AHEAD];
+        if (i0 + (AHEAD - 1) * nt < n) {  // a full group: unguarded, so the loads cannot sink to their adds
 #pragma unroll
-        for (int k = 0; k < 16; ++k) v[k] = i0 + k * nt < n ? x[i0 + k * nt] : 0.0f;
+            for (int k = 0; k < AHEAD; ++k) v[k] = x[i0 + k * nt];
 #pragma unroll
-        for (int k = 0; k < 16; ++k)
+            for (int k = 0; k < AHEAD; ++k) s += v[k] * v[k];
+            continue;
+        }
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) v[k] = i0 + k * nt < n ? x[i0 + k * nt] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k)
             if (i0 + k * nt < n) s += v[k] * v[k];
     }
     return s;

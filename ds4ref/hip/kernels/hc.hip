@@ -4,14 +4,17 @@
 
 #define HC_MAX 8  // hc_mult limit: mixes <= 2*8 + 64
 
-// Per row n (one block): r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
+// Per row n: r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
 // pre = sigmoid(m[:hc]*scale0 + base) + hc_eps; post = 2*sigmoid(...);
 // comb = softmax over j of the hc x hc logits + hc_eps, then Sinkhorn exactly as
 // canon.sinkhorn (column pass first; sums in index order, all float32);
 // u = sum_k pre_k * streams[k].
+// Grid (rows, 1 + ceil(d / cols)): block 0 of a row forms post and comb, block 1 + s the columns
+// s*cols.. of u, so a decode pass's few rows spread over the multiprocessors. Every block forms r
+// itself, in the same order (256 threads), so they all hold the same bits.
 extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
                                              const float* __restrict__ base, const float* __restrict__ scale,
-                                             int hc, int d, float rms_eps, float hc_eps, int iters,
+                                             int hc, int d, float rms_eps, float hc_eps, int iters, int cols,
                                              float* __restrict__ u, float* __restrict__ post,
                                              float* __restrict__ comb) {
     __shared__ float scratch[32];
@@ -19,36 +22,38 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
     int n = blockIdx.x;
     int mixn = 2 * hc + hc * hc;
     const float* f = streams + (long long)n * hc * d;
-    float ss = ds4_block_sum(ds4_strided_sumsq(f, hc * d), scratch);
+    float ss = ds4_block_sum(ds4_strided_sumsq<64>(f, hc * d), scratch);
     float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
     float eps32 = hc_eps;
     const float* mr = mix_raw + (long long)n * mixn;
-    if (threadIdx.x < hc) {
-        int k = threadIdx.x;
-        pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
-        post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
-    }
-    __syncthreads();
-    // warp 0 forms comb while the other warps form u = sum_k pre_k * streams[k] (in k order)
-    if (threadIdx.x >= DS4_WARP) {
-        int t = threadIdx.x - DS4_WARP, nt = blockDim.x - DS4_WARP;
-        for (int e0 = t; e0 < d; e0 += 4 * nt) {
-            float v[4][HC_MAX];
+    if (blockIdx.y > 0) {  // u = sum_k pre_k * streams[k] (in k order) on this block's columns
+        if (threadIdx.x < hc) {
+            int k = threadIdx.x;
+            pre_s[k] = ds4_sigmoid((mr[k] * r) * scale[0] + base[k]) + eps32;
+        }
+        __syncthreads();
+        int c0 = (blockIdx.y - 1) * cols, c1 = c0 + cols < d ? c0 + cols : d;
+        for (int e0 = c0 + threadIdx.x; e0 < c1; e0 += 2 * 256) {
+            float v[2][HC_MAX];
 #pragma unroll
-            for (int q = 0; q < 4; ++q)  // every load of four columns in flight before the sums
+            for (int q = 0; q < 2; ++q)  // every load of two columns in flight before the sums
 #pragma unroll
                 for (int k = 0; k < HC_MAX; ++k)
-                    v[q][k] = k < hc && e0 + q * nt < d ? f[(long long)k * d + e0 + q * nt] : 0.0f;
+                    v[q][k] = k < hc && e0 + 256 * q < c1 ? f[(long long)k * d + e0 + 256 * q] : 0.0f;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                int e = e0 + q * nt;
-                if (e >= d) break;
+            for (int q = 0; q < 2; ++q) {
+                int e = e0 + 256 * q;
+                if (e >= c1) break;
                 float acc = 0.0f;
                 for (int k = 0; k < hc; ++k) acc += pre_s[k] * v[q][k];
                 u[(long long)n * d + e] = acc;
             }
         }
         return;
+    }
+    if (threadIdx.x < hc) {
+        int k = threadIdx.x;
+        post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
     }
     if (hc * hc <= DS4_WARP) {
         // Warp 0, one comb entry (i, j) per lane k = i*hc + j. Every sum runs over the

@@ -208,15 +208,13 @@ DS4_QMATVEC(ds4_qmatvec_mxfp4_r2, WT_MXFP4, 2)
 // Routed experts (step_ops.hip's ex3_body with quantised inputs): work entries of the expert
 // list (expert id, pair count, up to 16 (lane, choice) pairs), each item one row block of the
 // expert. Input of pair lt: row lt (x_per_choice) or lt / kk of the quantised rows, K wide.
-#define QX_PAIRS 16
-#define QX_STRIDE (2 + QX_PAIRS)
 
 template <int WT, int R>
 __device__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
                         const short* xs, int x_per_choice, const int* __restrict__ list, float* __restrict__ y,
                         int N, int K, int kk) {
     __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];
-    __shared__ long long xoff[QX_PAIRS], doff[QX_PAIRS], soff[QX_PAIRS], ybase[QX_PAIRS];
+    __shared__ long long xoff[EL_PAIRS], doff[EL_PAIRS], soff[EL_PAIRS], ybase[EL_PAIRS];
     __shared__ Iq2Tables iq2[1];
     if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);  // visible after the first item's staging barrier
     // Consecutive items of a block that share an entry reuse its staged inputs (contiguous runs).
@@ -229,7 +227,7 @@ __device__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8
     int staged = -1;
     for (int w = blockIdx.x * per; w < w1; w += step) {
         int u = w / rblocks;
-        const int* ent = list + 1 + u * QX_STRIDE;
+        const int* ent = list + 1 + u * EL_STRIDE;
         int na = ent[1];
         if (u != staged) {
             __syncthreads();  // the previous item no longer reads the offsets or the staged inputs

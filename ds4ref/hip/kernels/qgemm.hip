@@ -31,6 +31,7 @@ struct QgCtx {
     const ds4_u8* brow;
     int K, nb, so, sp, r0, ob, g, t;
     bool a_ok;
+    bool hi;  // the warp stores rows 8..15 of its 16 (else their products are skipped)
 };
 
 struct QgStage {
@@ -62,10 +63,13 @@ struct QgNext {
 // 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816). nx holds block p
 // on entry; on exit, block p_next (the next chain's first, when there is one): the fetches run a
 // block ahead across chains too, so a chain of one block (K = 1024) waits on no load.
+// Only Q2_K gives its two 16-column halves their own multipliers; the other types' block dot is
+// one integer sum (Q4_K's halves share a multiplier and a min), so one MMA accumulator holds it:
+// the same integers as mq_rows' mul0 * S0 + mul1 * S1.
 template <int WT>
 __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p, int p_next,
                                          QgNext& nx, float (&acc)[4][4]) {
-    const bool has_min = QHasMin<WT>::value;
+    const bool has_min = QHasMin<WT>::value, halves = WT == WT_Q2_K;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -110,15 +114,22 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
             int S[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                qm_mma16816(S[h], a[h][0], a[h][1], *(const int*)(st.b + (ob8 + c.g) * QG_STRIDE + 16 * h + 4 * c.t));
+                qm_mma16816(S[halves ? h : 0], a[h][0], a[h][1],
+                            *(const int*)(st.b + (ob8 + c.g) * QG_STRIDE + 16 * h + 4 * c.t));
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int oo = ob8 + 2 * c.t + e % 2, hr = e / 2;
+                if (hr == 1 && !c.hi) continue;  // rows 8..15 of the warp are not stored
                 int pk = st.m[oo];
-                int A = (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e];
+                int A = S[0][e];
+                if (halves) A = (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e];
+                else if (has_min) A = (pk & 0xff) * S[0][e];
                 float tb = st.s1[oo] * (float)A;
-                if (has_min)
-                    tb = tb - st.s2[oo] * (float)(((pk >> 16) & 0xff) * X[hr][0] + ((pk >> 24) & 0xff) * X[hr][1]);
+                if (has_min) {
+                    int B = halves ? ((pk >> 16) & 0xff) * X[hr][0] + ((pk >> 24) & 0xff) * X[hr][1]
+                                   : ((pk >> 16) & 0xff) * (X[hr][0] + X[hr][1]);
+                    tb = tb - st.s2[oo] * (float)B;
+                }
                 acc[ni][e] = fmaf(d[hr], tb, acc[ni][e]);
             }
         }
@@ -180,6 +191,7 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
     c.t = lane % 4;
     c.r0 = 16 * wr + c.g;
     c.ob = 32 * wc;
+    c.hi = na > 8;
     float stack[5][4][4];
     QgNext nx;  // block 0 (chain 0's first) before the walk
     nx.av = make_uint2(0u, 0u);

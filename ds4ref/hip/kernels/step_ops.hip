@@ -8,8 +8,7 @@
 
 // A pass holds L lanes (rows): 16 for a decode pass, more for a prompt pass. Kernels
 // take L as an argument or as their grid; the routed experts' work entries hold up to
-// EL_PAIRS (lane, choice) pairs each.
-#define EL_PAIRS 16
+// EL_PAIRS (lane, choice) pairs each (ds4_hip.h).
 #define WT_F32 0
 #define WT_F16 1
 #define WT_BF16 2
@@ -76,7 +75,6 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 // An expert chosen by more than EL_PAIRS lanes (a prompt pass) gets several entries, one
 // per EL_PAIRS of its pairs; entries are in ascending expert id, an expert's pairs in lane
 // order, so an expert's entries sit side by side and read its rows at about the same time.
-#define EL_STRIDE (2 + EL_PAIRS)
 
 // One block of 256 threads; E <= 1024. Every thread walks all L x kk choices for its experts
 // (an expert counts once a lane, at its first choice). A decode pass (L <= 16) reads them from
