@@ -630,8 +630,7 @@ class HipBackend:
         rec.launch(K.kernel(rec, "moe", "ds4_route"), (L,), (256,),
                    (ws["rlog"], bias, hid, I32(c.n_expert), I32(kk), F32(c.expert_weights_scale),
                     I32(1 if c.expert_weights_norm else 0), ws["ids"], ws["rw"]))
-        rec.launch(ko("step_expert_list"), (1,), (256,),
-                   (ws["ids"], st.lane("slot"), I32(L), I32(kk), I32(c.n_expert), ws["elist"]))
+        K.launch_expert_list(rec, ws["ids"], st.lane("slot"), L, kk, c.n_expert, ws["elist"])
         ff = c.expert_ff
         self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"], q8=q8xn)
         self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"], q8=q8xn)

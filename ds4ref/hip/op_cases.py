@@ -462,12 +462,11 @@ def _flash_routing(b, L):
     P = max(L, g.MAX_LANES)
     ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
     slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
-    listk = b.rt.compile_file("step_ops.hip").kernel("step_expert_list")
     idb, slb = b.up(ids), b.up(slot)
     elist = b.out((g.expert_list_ints(E, kk, P),), I32)
 
     def make_list():
-        b.rt.launch(listk, (1,), (256,), (idb, slb, I32(P), I32(kk), I32(E), elist))
+        g.launch_expert_list(b.rt, idb, slb, P, kk, E, elist)
         return elist
     return E, kk, ff, d, P, make_list, len(np.unique(ids[:L]))
 
@@ -691,6 +690,32 @@ def _make_qrouted(seed, L, E, kk, shape, down, wtype):
     return make_experts(seed, L, E, kk, shape, down, wtype, weight=_quant_weight)
 
 
+def make_expert_list(seed, L, E, kk, padding, repeats):
+    """Routing ids of L lanes (repeats: a lane may choose an expert twice), some lanes padding."""
+    if E * -(-L // 32) > g.EL_BITS:
+        return None
+    rng = np.random.default_rng(seed)
+    ids = (rng.integers(0, E, (L, kk)) if repeats else
+           np.stack([rng.choice(E, kk, replace=kk > E) for _ in range(L)])).astype(I32)
+    slots = np.where(rng.random(L) < padding, -1, np.arange(L)).astype(I32)
+    return (ids, slots, E), (ids, slots, E)
+
+
+def ref_expert_list(ids, slots, E):
+    """The documented layout: experts ascending, each valid lane once per expert (its first choice
+    of it) in lane order, EL_PAIRS pairs an entry; rows of -1 up to the list's capacity."""
+    L, kk = ids.shape
+    rows = []
+    for e in range(E):
+        pairs = [l * kk + list(ids[l]).index(e) for l in range(L) if slots[l] >= 0 and e in ids[l]]
+        for c0 in range(0, len(pairs), g.EL_PAIRS):
+            chunk = pairs[c0:c0 + g.EL_PAIRS]
+            rows.append([e, len(chunk), *chunk, *[-1] * (g.EL_PAIRS - len(chunk))])
+    out = np.full(((g.expert_list_ints(E, kk, L) - 1) // g.EL_STRIDE, g.EL_STRIDE), -1, I32)
+    out[:len(rows)] = np.array(rows, I32).reshape(-1, g.EL_STRIDE)
+    return out
+
+
 
 # ---- the table -----------------------------------------------------------------------------
 
@@ -751,6 +776,9 @@ CASES: tuple[OpCase, ...] = (
            dict(ff=[32, 256], d=[64, 512], clamp=[0.5, 7.0], wtype=["f32", "bf16", "q8_0"]), perf=perf_swiglu),
     OpCase("argmax", ("ds4_argmax",), g.argmax, lambda x: np.argmax(x, axis=1).astype(I32), make_argmax,
            dict(V=range(1, 140001), dup=[False, True]), compare="equal", perf=perf_argmax),
+    OpCase("expert_list", ("step_expert_list",), g.expert_list, ref_expert_list, make_expert_list,
+           dict(E=[4, 16, 256, 1024], kk=[1, 2, 6, 8], padding=[0.0, 0.3], repeats=[False, True]), "prompt",
+           compare="equal"),
     OpCase("routed_experts", ("step_expert_list", "step_experts3_*"), g.routed_experts, ref_experts,
            _make_routed, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
                       wtype=["f32", "bf16", "q8_0", *QUANTS], rpw=[1, 2, 4]), "prompt", perf=perf_experts),

@@ -735,11 +735,40 @@ EL_PAIRS = MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 1
 EL_STRIDE = 2 + EL_PAIRS
 
 
+EL_BITS, EL_EXPERTS = 8192, 1024  # step_expert_list's (expert, lane) bits and experts in shared memory
+
+
+def launch_expert_list(rt, ids, slots, L: int, kk: int, n_expert: int, elist) -> None:
+    """elist <- step_expert_list's work entries for the routing ids (L, kk) of a pass of L lanes."""
+    _need(n_expert <= EL_EXPERTS and n_expert * -(-L // 32) <= EL_BITS,
+          f"expert list: {n_expert} experts x {L} lanes exceed the kernel's shared memory")
+    rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
+              (ids, slots, I32(L), I32(kk), I32(n_expert), elist))
+
+
 def expert_list_ints(n_expert: int, kk: int, L: int = MAX_LANES) -> int:
     """int32s of step_expert_list's output for a pass of L lanes: the count, then the entries.
     An expert with c pairs takes ceil(c / 16) entries, so the chosen experts (at most
     min(E, L*kk)) take at most that many plus L*kk / 16."""
     return 1 + (min(n_expert, L * kk) + L * kk // EL_PAIRS) * EL_STRIDE
+
+
+def expert_list(ids, slots, n_expert: int, rt=None) -> np.ndarray:
+    """step_expert_list's entries for routing ids (L, kk) and lane slots (L,) (-1: a padding
+    lane), as rows (expert, pair count, lt_0 .., -1 past the count) of EL_STRIDE int32s, then
+    rows of -1 up to the list's capacity."""
+    rt = _rt(rt)
+    ids, slots = np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(slots, np.int32)
+    L, kk = ids.shape
+    n_ints = expert_list_ints(n_expert, kk, L)
+    with _Scope(rt) as s:
+        elist = s.out((n_ints,), I32)
+        launch_expert_list(rt, s.up(ids), s.up(slots), L, kk, n_expert, elist)
+        out = s.get(elist, (n_ints,), I32)
+    rows = np.full(((n_ints - 1) // EL_STRIDE, EL_STRIDE), -1, np.int32)
+    for u, row in enumerate(out[1:1 + int(out[0]) * EL_STRIDE].reshape(-1, EL_STRIDE)):
+        rows[u, :2 + row[1]] = row[:2 + row[1]]  # the slots past an entry's pairs hold whatever the buffer held
+    return rows
 
 
 # encodings with a 4-rows-per-warp routed-expert kernel (step_ops.hip). bf16 only: in a prompt
@@ -795,8 +824,7 @@ def routed_experts(w, wtype: str, x, ids, rt=None, rows_per_warp: int | None = N
     with _Scope(rt) as s:
         y = s.out((P, kk, N))
         elist = s.out((expert_list_ints(E, kk, P),), I32)
-        rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
-                  (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
+        launch_expert_list(rt, s.up(idp), s.up(slots), P, kk, E, elist)
         launch_routed_experts(rt, s.up(np.ascontiguousarray(w)), wtype, r, s.up(xs), 1 if per_choice else 0,
                               elist, y, N, K, kk)
         return s.get(y, (P, kk, N))[:L]
@@ -1026,8 +1054,7 @@ def qrouted_experts(raw, wtype: str, x, ids, rt=None):
         with _Scope(rt) as s:
             y = s.out((P, kk, N))
             elist = s.out((expert_list_ints(E, kk, P),), I32)
-            rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
-                      (s.up(idp), s.up(slots), I32(P), I32(kk), I32(E), elist))
+            launch_expert_list(rt, s.up(idp), s.up(slots), P, kk, E, elist)
             launch_quantize_q8(rt, s.up(xs), q, rows, K)
             launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
             return s.get(y, (P, kk, N))[:L]
