@@ -585,7 +585,7 @@ class HipBackend:
                     I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
                     I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
                     F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
-        rec.launch(kso("step_attention_combine"), (H, L), (128,),
+        rec.launch(kso("step_attention_combine"), (H, L), (K.AT_CT,),
                    (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
                     nvis, sel, I32(c.indexer_top_k), I32(c.sliding_window), I32(H), I32(D), I32(self.at_nz),
                     ws["o"]))

@@ -151,13 +151,14 @@ def _compact_rows(rows, kind, n_rot):
     return rows
 
 
-def make_attention(seed, L, H, D, W, store, kind):
+def make_attention(seed, L, H, D, W, store, kind, span=1):
     n_rot = 64 if kind == g.ROW_KV else 0
     if kind == g.ROW_KV and (D - n_rot) % 64:
         return None
     rng = np.random.default_rng(seed)
     ratio, per = (4, 8) if store == "selected" else (128, 2) if store == "all" else (4, 8)
-    lanes = paged_lanes(rng, L, W, ratio, per, 3 * W + 2 * ratio * per)  # the ring wraps, pages fill
+    # the ring wraps, pages fill; span 40 gives an unselected store's lanes several slices of keys
+    lanes = paged_lanes(rng, L, W, ratio, per, span * (3 * W + 2 * ratio * per))
     q = rnd(seed, L, H, D, scale=0.2)
     pass_kv = _compact_rows(rnd(seed + 1, L, D), kind, n_rot)  # the pass's rows, as official numerics store them
     ring = _compact_rows(rnd(seed + 2, lanes.btab.shape[0], W, D), kind, n_rot)
@@ -566,7 +567,7 @@ def perf_attention(b, L):
         rt.launch(split, (g._blocks(H, 8), L, nz), (256,),
                   (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
                    *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
-        rt.launch(comb, (H, L), (128,), (m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, I32(ksel),
+        rt.launch(comb, (H, L), (g.AT_CT,), (m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, I32(ksel),
                                          I32(W), I32(H), I32(D), I32(nz), out))
     b.add("attention paged 64h x 512, 128 ring + 512 sel", L, 4 * L * ((W + ksel) * D + 2 * H * D), [run])
 
@@ -761,7 +762,7 @@ CASES: tuple[OpCase, ...] = (
     OpCase("attention_paged", ("step_attention_split", "step_attention_combine"), g.attention_paged,
            ref_attention_paged, make_attention,
            dict(H=[1, 3, 8, 20], D=[32, 128, 512], W=range(1, 17), store=["none", "all", "selected"],
-                kind=[g.ROW_F32, g.ROW_KV]), "prompt", perf=perf_attention),
+                kind=[g.ROW_F32, g.ROW_KV], span=[1, 40]), "prompt", perf=perf_attention),
     OpCase("indexer_paged", ("step_indexer_paged",), g.indexer_paged, ref_indexer_paged, make_indexer,
            dict(Hi=[1, 8, 64], Di=[32, 128], kind=[g.ROW_F32, g.ROW_IX]), "prompt", perf=perf_indexer),
     OpCase("topk", ("ds4_topk",), g.topk_batched, ref_topk, make_topk,

@@ -533,6 +533,7 @@ def hc_post(streams, y, post, comb, rt=None):
 
 AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
 AT3_SPLIT = AT_SPLIT
+AT_CT = 128  # step_attention_combine's threads (step_state.hip's AT_CT)
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
 
 
@@ -587,7 +588,7 @@ def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks
                    st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
                    lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
                    F32(1.0 / math.sqrt(D)), m, den, acc))
-        rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (128,),
+        rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (AT_CT,),
                   (m, den, acc, s.up(sinks), lane["slot"], lane["pos"], st, lane["nvis"], sl, I32(ksel), I32(W),
                    I32(H), I32(D), I32(nz), out))
         return s.get(out, (L, H, D))

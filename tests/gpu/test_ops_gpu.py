@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ds4ref.hip import ops as g
-from ds4ref.hip.op_cases import CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
+from ds4ref.hip.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
 from ds4ref.reference import ops as ref
 
 pytestmark = pytest.mark.gpu
@@ -240,3 +240,17 @@ def test_qgemm_every_type(rt, wtype, k):
     crowd = g.qmatvec(raw, wtype, x, rt=rt, gemm=True)
     assert same_bits(crowd, canon_qlinear(x, raw, wtype))
     assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
+    """step_attention_combine forms its slices' weights AT_CZ slices at a time (128 by default, so
+    only contexts past 4,096 keys cross a chunk): with the tuning macro at 2, lanes of up to 6
+    slices cross chunks, and the bits stay the reference's (a tuning macro changes none)."""
+    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", "AT_CZ=2")
+    got, want = run_case(BY_NAME["attention_paged"], seed, 16, rt, H=3, D=128, W=16, store="all",
+                         kind=g.ROW_KV, span=40)
+    lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=g.ROW_KV, span=40)[0][6]
+    assert max(n + min(16, p + 1) for n, p, s in zip(lanes.nvis, lanes.pos, lanes.slot) if s >= 0) > 2 * 32
+    for a, b in zip(got, want):
+        assert same_bits(a, b)

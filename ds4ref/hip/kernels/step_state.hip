@@ -503,13 +503,21 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
     }
 }
 
-// Block (head, lane), threads over dims: the lane's slices in z order, then the sink.
-// Padding lanes write zeros, as step_attention does.
-extern "C" __global__ void step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
-                                                  const float* __restrict__ part_acc, const float* __restrict__ sinks,
-                                                  const int* slot, const int* pos, const ds4_u8* store,
-                                                  const int* nvis, const int* sel, int ksel, int W, int H, int D,
-                                                  int nz, float* __restrict__ out) {
+// Block (head, lane) of AT_CT threads over dims: the lane's slices in z order, then the sink.
+// A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
+// at a time (every thread forming every weight was most of the kernel's time), and every sum
+// still runs in z order. Padding lanes write zeros, as step_attention does.
+#define AT_CT 128
+#ifndef AT_CZ
+#define AT_CZ AT_CT  // a tuning macro <= AT_CT (tests set a small one to cross chunks on short contexts)
+#endif
+extern "C" __global__ void __launch_bounds__(AT_CT)
+step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
+                       const float* __restrict__ part_acc, const float* __restrict__ sinks,
+                       const int* slot, const int* pos, const ds4_u8* store,
+                       const int* nvis, const int* sel, int ksel, int W, int H, int D,
+                       int nz, float* __restrict__ out) {
+    __shared__ float wz[AT_CZ];
     int h = blockIdx.x, l = blockIdx.y;
     int s = slot[l];
     int lo, nraw;
@@ -517,7 +525,7 @@ extern "C" __global__ void step_attention_combine(const float* __restrict__ part
     int nsl = (total + AT3_SPLIT - 1) / AT3_SPLIT;
     float* o = out + ((long long)l * H + h) * D;
     if (s < 0) {
-        for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = 0.0f;
+        for (int d = threadIdx.x; d < D; d += AT_CT) o[d] = 0.0f;
         return;
     }
     long long base = ((long long)l * H + h) * nz;
@@ -525,10 +533,25 @@ extern "C" __global__ void step_attention_combine(const float* __restrict__ part
     float mf = sk;
     for (int z = 0; z < nsl; ++z) mf = fmaxf(mf, part_m[base + z]);
     float dtot = ds4_exp(sk - mf);
-    for (int z = 0; z < nsl; ++z) dtot += part_den[base + z] * ds4_exp(part_m[base + z] - mf);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float a = 0.0f;
-        for (int z = 0; z < nsl; ++z) a += part_acc[(base + z) * D + d] * ds4_exp(part_m[base + z] - mf);
-        o[d] = a / dtot;
+    float a[AT_DMAX / AT_CT];
+#pragma unroll
+    for (int q = 0; q < AT_DMAX / AT_CT; ++q) a[q] = 0.0f;
+    for (int z0 = 0; z0 < nsl; z0 += AT_CZ) {
+        int nc = nsl - z0 < AT_CZ ? nsl - z0 : AT_CZ;
+        __syncthreads();  // the previous chunk's weights are read
+        if (threadIdx.x < nc) wz[threadIdx.x] = ds4_exp(part_m[base + z0 + threadIdx.x] - mf);
+        __syncthreads();
+        for (int j = 0; j < nc; ++j) dtot += part_den[base + z0 + j] * wz[j];
+#pragma unroll
+        for (int q = 0; q < AT_DMAX / AT_CT; ++q) {
+            int d = threadIdx.x + AT_CT * q;
+            if (d < D)
+                for (int j = 0; j < nc; ++j) a[q] += part_acc[(base + z0 + j) * D + d] * wz[j];
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < AT_DMAX / AT_CT; ++q) {
+        int d = threadIdx.x + AT_CT * q;
+        if (d < D) o[d] = a[q] / dtot;
     }
 }
