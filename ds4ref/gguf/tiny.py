@@ -81,6 +81,19 @@ def flash_ratio(layer: int) -> int:
     return 4 if layer % 2 == 0 else 128
 
 
+def flash_config(n_layer: int = 43, **overrides) -> DS4Config:
+    """DeepSeek V4 Flash's dimensions (spec §1) over n_layer layers of its schedule: what memory
+    plans and the GPU benchmarks' random models are sized by."""
+    return DS4Config(**{**dict(
+        n_layer=n_layer, n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, n_rot=64, q_lora_rank=1024,
+        o_lora_rank=1024, o_groups=8, n_expert=256, n_expert_used=6, n_expert_shared=1, expert_ff=2048,
+        n_hash_layers=3, expert_weights_scale=1.5, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
+        indexer_top_k=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6,
+        compress_ratios=tuple(flash_ratio(i) for i in range(n_layer)), swiglu_clamp=(10.0,) * n_layer,
+        rope_freq_base=10000.0, compress_rope_freq_base=160000.0, yarn_factor=16.0, yarn_orig_ctx=65536,
+        yarn_beta_fast=32.0, yarn_beta_slow=1.0, name="DeepSeek V4 Flash (dimensions)"), **overrides})
+
+
 def tiny_config(**overrides) -> DS4Config:
     """The embedded tiny config; n_layer overrides extend ratios and clamps by Flash's pattern."""
     kw = dict(_TINY)

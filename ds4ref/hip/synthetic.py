@@ -3,22 +3,18 @@ prefix cache, speculation): the 8-layer bf16 model, or Flash's 43 layers in the 
 The weights never exist on the host; a stand-in takes the reference model's place beside them."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
-from ..gguf.tiny import tiny_config
+from ..gguf import tiny
 from ..reference.layers import Tables
 
 
 def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65536):
-    return dataclasses.replace(
-        tiny_config(n_layer=n_layer), n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, value_dim=512,
-        n_rot=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8, n_expert=n_expert, n_expert_used=6,
-        n_expert_shared=1, expert_ff=2048, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
-        indexer_top_k=512, context_length=context_length, name=f"flash-shaped-{n_layer}L")
+    return tiny.flash_config(n_layer, n_expert=n_expert, context_length=context_length,
+                             name=f"flash-shaped-{n_layer}L")
 
 
 def make_model(full: bool, experts: int = 256):

@@ -18,6 +18,7 @@ from typing import Optional
 
 from ..backend import PAGE_TOKENS
 from ..gguf.config import DS4Config
+from ..gguf.tiny import flash_config
 from .layout import PageLayout
 from .pool import pool_pages
 from .prefix import SNAPSHOTS_PER_SLOT
@@ -174,20 +175,6 @@ def storage_lines(plan: MemoryPlan) -> list[str]:
 
 
 # ---- python -m ds4ref.paging.plan --flash ---------------------------------------------
-
-
-def flash_config() -> DS4Config:
-    """DeepSeek V4 Flash's dimensions (spec §1); only the sizes matter here."""
-    from ..gguf.tiny import flash_ratio
-    n = 43
-    return DS4Config(
-        n_layer=n, n_embd=4096, vocab_size=129280, n_head=64, head_dim=512, n_rot=64, q_lora_rank=1024,
-        o_lora_rank=1024, o_groups=8, n_expert=256, n_expert_used=6, n_expert_shared=1, expert_ff=2048,
-        n_hash_layers=3, expert_weights_scale=1.5, sliding_window=128, indexer_heads=64, indexer_head_dim=128,
-        indexer_top_k=512, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6,
-        compress_ratios=tuple(flash_ratio(i) for i in range(n)), swiglu_clamp=(10.0,) * n,
-        rope_freq_base=10000.0, compress_rope_freq_base=160000.0, yarn_factor=16.0, yarn_orig_ctx=65536,
-        yarn_beta_fast=32.0, yarn_beta_slow=1.0, name="DeepSeek V4 Flash (dimensions)")
 
 
 def flash_report(contexts=(4096, 32768, 131072, 1 << 20)) -> str:
