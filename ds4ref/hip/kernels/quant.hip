@@ -38,7 +38,15 @@ extern "C" __global__ void ds4_hadamard_rows(const float* __restrict__ v, const 
     if (lane_slot && lane_slot[row / rows_per_lane] < 0) return;  // a padding lane's rows
     const float* vr = v + (long long)row * n;
     float acc = 0.0f;
-    for (int i = 0; i < n; ++i) acc += vr[i] * ht[(long long)i * n + j];
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {  // sixteen products formed before their adds: no load waits on the add chain
+        float p[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) p[k] = vr[i + k] * ht[(long long)(i + k) * n + j];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) acc += p[k];
+    }
+    for (; i < n; ++i) acc += vr[i] * ht[(long long)i * n + j];
     r[idx] = acc;
 }
 
