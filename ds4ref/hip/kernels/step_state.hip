@@ -271,6 +271,9 @@ extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long 
 #define IX_WARPS 8
 #define IX_QMAX 8192   // Hi * Di staged floats
 #define IX_DPL 4       // Di <= 128
+#ifndef IX_HG
+#define IX_HG 8        // heads whose dot-product butterflies run interleaved (a tuning macro)
+#endif
 
 // score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], -inf beyond,
 // row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
@@ -299,12 +302,24 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
         float kv[IX_DPL];
         for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? row_get(kr, f, lane + DS4_WARP * t) : 0.0f;
         float total = 0.0f;
-        for (int h = 0; h < Hi; ++h) {
-            float part = 0.0f;
-            for (int t = 0; t < IX_DPL; ++t)
-                if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
-            float dot = ds4_warp_sum(part);
-            total += fmaxf(dot, 0.0f) * ws[h];
+        for (int h0 = 0; h0 < Hi; h0 += IX_HG) {
+            float dot[IX_HG];
+#pragma unroll
+            for (int g = 0; g < IX_HG; ++g) {
+                dot[g] = 0.0f;
+                if (h0 + g < Hi)
+                    for (int t = 0; t < IX_DPL; ++t)
+                        if (t < nd) dot[g] += qs[(h0 + g) * Di + lane + DS4_WARP * t] * kv[t];
+            }
+            // each head's butterfly is ds4_warp_sum's; the heads' steps interleave, so a shuffle's
+            // latency is spent on the other heads' rather than waited out head by head
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1)
+#pragma unroll
+                for (int g = 0; g < IX_HG; ++g) dot[g] += DS4_SHFL_XOR(dot[g], m);
+#pragma unroll
+            for (int g = 0; g < IX_HG; ++g)
+                if (h0 + g < Hi) total += fmaxf(dot[g], 0.0f) * ws[h0 + g];
         }
         if (lane == 0) out[(long long)l * ncap + n] = total;
     }
@@ -326,6 +341,9 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #define AT_DPL (AT_DMAX / DS4_WARP)
 #ifndef AT_HPW
 #define AT_HPW 1
+#endif
+#ifndef AT_KG
+#define AT_KG 4        // keys whose dots and butterflies run side by side (divides AT_KT)
 #endif
 #define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
 
@@ -460,32 +478,47 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
             }
             __syncthreads();
             if (!active) continue;
-            for (int rr = 0; rr < nk; ++rr) {
-                const float* kr = ks + rr * AT_DMAX;
-                float part[AT_HPW];
+            for (int r0 = 0; r0 < nk; r0 += AT_KG) {
+                // AT_KG keys' dots and butterflies (ds4_warp_sum's) side by side, then their online-
+                // softmax steps in key order: a shuffle's latency is spent on the other keys' dots
+                // (rows of the tile past nk give dots nobody reads)
+                float dot[AT_KG][AT_HPW];
 #pragma unroll
-                for (int j = 0; j < AT_HPW; ++j) {
-                    part[j] = 0.0f;
+                for (int u = 0; u < AT_KG; ++u)
 #pragma unroll
-                    for (int t = 0; t < AT_DPL; ++t)
-                        if (t < nd) part[j] += qv[j][t] * kr[lane + DS4_WARP * t];
-                }
-#pragma unroll
-                for (int j = 0; j < AT_HPW; ++j) {
-                    float sc = ds4_warp_sum(part[j]) * scale;
-                    if (sc > m[j]) {
-                        float c = ds4_exp(m[j] - sc);  // 0 while m is -inf (acc and den are 0 then)
-                        den[j] = den[j] * c + 1.0f;
+                    for (int j = 0; j < AT_HPW; ++j) {
+                        dot[u][j] = 0.0f;
 #pragma unroll
                         for (int t = 0; t < AT_DPL; ++t)
-                            if (t < nd) acc[j][t] = acc[j][t] * c + kr[lane + DS4_WARP * t];
-                        m[j] = sc;
-                    } else {
-                        float e = ds4_exp(sc - m[j]);
-                        den[j] += e;
+                            if (t < nd) dot[u][j] += qv[j][t] * ks[(r0 + u) * AT_DMAX + lane + DS4_WARP * t];
+                    }
 #pragma unroll
-                        for (int t = 0; t < AT_DPL; ++t)
-                            if (t < nd) acc[j][t] += e * kr[lane + DS4_WARP * t];
+                for (int mask = DS4_WARP / 2; mask > 0; mask >>= 1)
+#pragma unroll
+                    for (int u = 0; u < AT_KG; ++u)
+#pragma unroll
+                        for (int j = 0; j < AT_HPW; ++j) dot[u][j] += DS4_SHFL_XOR(dot[u][j], mask);
+#pragma unroll
+                for (int u = 0; u < AT_KG; ++u) {
+                    if (r0 + u >= nk) break;
+                    const float* kr = ks + (r0 + u) * AT_DMAX;
+#pragma unroll
+                    for (int j = 0; j < AT_HPW; ++j) {
+                        float sc = dot[u][j] * scale;
+                        if (sc > m[j]) {
+                            float c = ds4_exp(m[j] - sc);  // 0 while m is -inf (acc and den are 0 then)
+                            den[j] = den[j] * c + 1.0f;
+#pragma unroll
+                            for (int t = 0; t < AT_DPL; ++t)
+                                if (t < nd) acc[j][t] = acc[j][t] * c + kr[lane + DS4_WARP * t];
+                            m[j] = sc;
+                        } else {
+                            float e = ds4_exp(sc - m[j]);
+                            den[j] += e;
+#pragma unroll
+                            for (int t = 0; t < AT_DPL; ++t)
+                                if (t < nd) acc[j][t] += e * kr[lane + DS4_WARP * t];
+                        }
                     }
                 }
             }
