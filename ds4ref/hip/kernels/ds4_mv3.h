@@ -236,6 +236,32 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 // in flight before any store: one round trip per 1024 staged float4 (two for a 16-lane chunk), which
 // overlaps the weights' own. The arithmetic (which columns each lane sums, in which
 // order, with which FMA sequence) is unchanged, so results stay bitwise v1's.
+// y[ybase[a] + row0 + i] <- the sum over the warp of acc[i][a] (ds4_warp_sum's butterfly) for the
+// na inputs and the rows below N. The butterflies of MV_SUMG inputs x R rows run side by side, so a
+// shuffle's latency is spent on the others' instead of being waited out one sum at a time; the
+// inputs past na in a group shuffle values nobody stores.
+#define MV_SUMG 4
+template <int R>
+__device__ __forceinline__ void mv3_store_sums(float (&acc)[R][MV_LANES], int na, int row0, int N,
+                                               const long long* ybase, float* __restrict__ y) {
+    int lane = threadIdx.x % DS4_WARP;
+#pragma unroll
+    for (int a0 = 0; a0 < MV_LANES; a0 += MV_SUMG) {
+        if (a0 >= na) break;
+#pragma unroll
+        for (int mask = DS4_WARP / 2; mask > 0; mask >>= 1)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+#pragma unroll
+                for (int a = a0; a < a0 + MV_SUMG; ++a) acc[i][a] += DS4_SHFL_XOR(acc[i][a], mask);
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int a = a0; a < a0 + MV_SUMG; ++a)
+                if (a < na && row0 + i < N && lane == a) y[ybase[a] + row0 + i] = acc[i][a];
+    }
+}
+
 template <int WT, int R, int U>
 __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int cbeg, int clen,
                                          int na, const float* const* xrow, const long long* ybase,
@@ -352,18 +378,7 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
             }
         }
     }
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        int r = row0 + i;
-        if (r >= N) break;
-#pragma unroll
-        for (int a = 0; a < MV_LANES; ++a) {
-            if (a < na) {
-                float s = ds4_warp_sum(acc[i][a]);
-                if (lane == a) y[ybase[a] + r] = s;
-            }
-        }
-    }
+    mv3_store_sums<R>(acc, na, row0, N, ybase, y);
 }
 
 // Active inputs of a pass: L, or 1 + the last lane with a slot when lane_slot is given.

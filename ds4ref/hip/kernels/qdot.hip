@@ -148,18 +148,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
             }
         }
     }
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        int r = row0 + i;
-        if (r >= N) break;
-#pragma unroll
-        for (int a = 0; a < MV_LANES; ++a) {
-            if (a < na) {
-                float s = ds4_warp_sum(acc[i][a]);
-                if (lane == a) y[ybase[a] + r] = s;
-            }
-        }
-    }
+    mv3_store_sums<R>(acc, na, row0, N, ybase, y);
 }
 
 // Dense: y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K], x quantised with rows W columns
