@@ -128,7 +128,10 @@ def parser() -> argparse.ArgumentParser:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, made before anything is printed: a busy port is one error line."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they
+    # are TCP, and accepted connections inherit it. With Nagle on, a stream's second small write
+    # waits for the client's delayed ACK (~40 ms): every SSE response's first text arrived that late.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
