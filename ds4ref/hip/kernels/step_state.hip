@@ -271,9 +271,6 @@ extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long 
 #define IX_WARPS 8
 #define IX_QMAX 8192   // Hi * Di staged floats
 #define IX_DPL 4       // Di <= 128
-#ifndef IX_HG
-#define IX_HG 8        // heads whose dot-product butterflies run interleaved (a tuning macro)
-#endif
 
 // score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], -inf beyond,
 // row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
@@ -302,24 +299,12 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
         float kv[IX_DPL];
         for (int t = 0; t < IX_DPL; ++t) kv[t] = t < nd ? row_get(kr, f, lane + DS4_WARP * t) : 0.0f;
         float total = 0.0f;
-        for (int h0 = 0; h0 < Hi; h0 += IX_HG) {
-            float dot[IX_HG];
-#pragma unroll
-            for (int g = 0; g < IX_HG; ++g) {
-                dot[g] = 0.0f;
-                if (h0 + g < Hi)
-                    for (int t = 0; t < IX_DPL; ++t)
-                        if (t < nd) dot[g] += qs[(h0 + g) * Di + lane + DS4_WARP * t] * kv[t];
-            }
-            // each head's butterfly is ds4_warp_sum's; the heads' steps interleave, so a shuffle's
-            // latency is spent on the other heads' rather than waited out head by head
-#pragma unroll
-            for (int m = DS4_WARP / 2; m > 0; m >>= 1)
-#pragma unroll
-                for (int g = 0; g < IX_HG; ++g) dot[g] += DS4_SHFL_XOR(dot[g], m);
-#pragma unroll
-            for (int g = 0; g < IX_HG; ++g)
-                if (h0 + g < Hi) total += fmaxf(dot[g], 0.0f) * ws[h0 + g];
+        for (int h = 0; h < Hi; ++h) {
+            float part = 0.0f;
+            for (int t = 0; t < IX_DPL; ++t)
+                if (t < nd) part += qs[h * Di + lane + DS4_WARP * t] * kv[t];
+            float dot = ds4_warp_sum(part);
+            total += fmaxf(dot, 0.0f) * ws[h];
         }
         if (lane == 0) out[(long long)l * ncap + n] = total;
     }
