@@ -717,7 +717,6 @@ def ref_expert_list(ids, slots, E):
     return out
 
 
-
 # ---- the table -----------------------------------------------------------------------------
 
 CASES: tuple[OpCase, ...] = (

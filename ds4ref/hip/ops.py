@@ -734,9 +734,7 @@ def swiglu_act_q8(g, u, clamp, rt=None):
 
 EL_PAIRS = MAX_LANES  # step_expert_list's entry: expert id, pair count, up to 16 (lane, choice) pairs
 EL_STRIDE = 2 + EL_PAIRS
-
-
-EL_BITS, EL_EXPERTS = 8192, 1024  # step_expert_list's (expert, lane) bits and experts in shared memory
+EL_BITS, EL_EXPERTS = 8192, 1024  # step_expert_list's (expert, lane) bit words and experts in shared memory
 
 
 def launch_expert_list(rt, ids, slots, L: int, kk: int, n_expert: int, elist) -> None:

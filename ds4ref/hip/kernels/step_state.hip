@@ -523,7 +523,7 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
 
 // Block (head, lane) of AT_CT threads over dims: the lane's slices in z order, then the sink.
 // A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
-// at a time (every thread forming every weight was most of the kernel's time), and every sum
+// at a time (every thread forming every weight took half the kernel's time), and every sum
 // still runs in z order. Padding lanes write zeros, as step_attention does.
 #define AT_CT 128
 #ifndef AT_CZ
