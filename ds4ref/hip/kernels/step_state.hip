@@ -330,6 +330,7 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #ifndef AT_KG
 #define AT_KG 4        // keys whose dots and butterflies run side by side (divides AT_KT)
 #endif
+static_assert(AT_KT % AT_KG == 0, "AT_KG must divide AT_KT: a group reads only rows of its tile");
 #define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
 
 struct KeySrc {
@@ -529,6 +530,7 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
 #ifndef AT_CZ
 #define AT_CZ AT_CT  // a tuning macro <= AT_CT (tests set a small one to cross chunks on short contexts)
 #endif
+static_assert(AT_CZ >= 1 && AT_CZ <= AT_CT, "a chunk's weights are one a thread");
 extern "C" __global__ void __launch_bounds__(AT_CT)
 step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
                        const float* __restrict__ part_acc, const float* __restrict__ sinks,
