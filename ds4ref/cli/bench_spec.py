@@ -7,9 +7,9 @@ round: `oracle:RATE` replays the true continuation, each draft right with probab
 (1 = always, 0 = never), `mtp` drafts with the model's MTP block. Every run's tokens must equal
 the plain run's (column `exact`). Timed: the decode phase only (from the pass after which no
 prompt is left to the last token), less the passes that captured a capacity bucket's CUDA graph
-(the first of each bucket after a run's configure: a one-time cost). Columns: measured acceptance (accepted / proposed drafts),
-tok/s, speed-up over plain, passes, the drafter's ms per pass (the MTP block's own cost with
-`mtp`), sequences that turned speculation off.
+(the first of each bucket after a run's configure: a one-time cost). Columns: measured
+acceptance (accepted / proposed drafts), tok/s, speed-up over plain, passes, the drafter's ms
+per pass (the MTP block's own cost with `mtp`), sequences that turned speculation off.
 
 Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
 numpy|hip, or --synthetic 8layer|full (hip/synthetic.py's random Flash-shaped models
