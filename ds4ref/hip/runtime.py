@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..settings import getenv
+from . import kernel_cache
 from .buffers import KERNEL_DIR, DeviceBuffer, load_source  # noqa: F401 - the runtime's surface
 from .signatures import Signature, check_launch, parse_signatures
 
@@ -155,9 +156,9 @@ class Runtime(ABC):
 
     # ---- to be provided by adapters ------------------------------------------
     @abstractmethod
-    def compile(self, source: str, name: str, options: Sequence[str] = (),
-                name_expressions: Sequence[str] = ()) -> Module:
-        ...
+    def compile(self, source: str, name: str, options: Sequence[str] = ()) -> Module:
+        """The module of source (headers inlined), its code from the kernel cache when an earlier
+        process compiled the same source with the same compiler and options."""
 
     @abstractmethod
     def _get_function(self, module: Module, fn: str) -> Any:
@@ -298,26 +299,28 @@ class CudaRuntime(Runtime):
         except Exception:  # noqa: BLE001 - naming the error must never hide it
             return repr(err)
 
-    def compile(self, source, name, options=(), name_expressions=()):
+    def compile(self, source, name, options=()):
+        # NVRTC optimises by default and rejects -O3
+        opts = [f"--gpu-architecture={self.info.arch}", "-std=c++17", *NVRTC_EXACT, *options]
+        version = self._check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
+        cubin = kernel_cache.compiled(f"nvrtc {version}", opts, source, lambda: self._cubin(source, name, opts))
+        handle = self._check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        return Module(self, handle, name, source)
+
+    def _cubin(self, source: str, name: str, opts: Sequence[str]) -> bytes:
         nv = self.nvrtc
         prog = self._check(nv.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
                            f"nvrtcCreateProgram({name})")
         try:
-            for ne in name_expressions:
-                self._check(nv.nvrtcAddNameExpression(prog, ne.encode()), f"nvrtcAddNameExpression({ne})")
-            # NVRTC optimises by default and rejects -O3
-            opts = [f"--gpu-architecture={self.info.arch}", "-std=c++17", *NVRTC_EXACT, *options]
             res = nv.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
             if _status(res[0]) != 0:
                 raise GpuError(f"cuda: nvrtcCompileProgram({name}) failed:\n{self._log(prog)}")
             size = self._check(nv.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
             cubin = bytearray(size)  # a fresh buffer: `b" " * n` can be an interned object NVRTC would write into
             self._check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-            cubin = bytes(cubin)
+            return bytes(cubin)
         finally:
             nv.nvrtcDestroyProgram(prog)
-        handle = self._check(self.drv.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
-        return Module(self, handle, name, source)
 
     def _log(self, prog) -> str:
         nv = self.nvrtc
@@ -439,14 +442,18 @@ class HipRuntime(Runtime):
         except Exception:  # noqa: BLE001
             return repr(err)
 
-    def compile(self, source, name, options=(), name_expressions=()):
+    def compile(self, source, name, options=()):
+        opts = [f"--offload-arch={self.info.arch}", "-O3", "-std=c++17", *HIPRTC_EXACT, *options]
+        version = self._check(self.rtc.hiprtcVersion(), "hiprtcVersion")
+        code = kernel_cache.compiled(f"hiprtc {version}", opts, source, lambda: self._code(source, name, opts))
+        handle = self._check(self.hip.hipModuleLoadData(code), f"hipModuleLoadData({name})")
+        return Module(self, handle, name, source)
+
+    def _code(self, source: str, name: str, opts: Sequence[str]) -> bytes:
         rtc = self.rtc
         prog = self._check(rtc.hiprtcCreateProgram(source.encode(), name.encode(), 0, [], []),
                            f"hiprtcCreateProgram({name})")
         try:
-            for ne in name_expressions:
-                self._check(rtc.hiprtcAddNameExpression(prog, ne.encode()), f"hiprtcAddNameExpression({ne})")
-            opts = [f"--offload-arch={self.info.arch}", "-O3", "-std=c++17", *HIPRTC_EXACT, *options]
             res = rtc.hiprtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
             if _status(res[0]) != 0:
                 size = self._check(rtc.hiprtcGetProgramLogSize(prog), "hiprtcGetProgramLogSize")
@@ -456,10 +463,9 @@ class HipRuntime(Runtime):
             size = self._check(rtc.hiprtcGetCodeSize(prog), "hiprtcGetCodeSize")
             code = bytearray(size)
             self._check(rtc.hiprtcGetCode(prog, code), "hiprtcGetCode")
+            return bytes(code)
         finally:
             rtc.hiprtcDestroyProgram(prog.createRef())
-        handle = self._check(self.hip.hipModuleLoadData(code), f"hipModuleLoadData({name})")
-        return Module(self, handle, name, source)
 
     def _get_function(self, module, fn):
         return self._check(self.hip.hipModuleGetFunction(module.handle, fn.encode()),
