@@ -220,11 +220,13 @@ MM_ROWS = 256  # weight rows per block of _matmul: their 32 partials per input f
 
 
 @numba.njit(cache=True)
-def _lane_partials(wt, x, c0, clen, p, n_in):
+def _lane_partials(wt, x, c0, clen, p, n_in, fused):
     """The 32 lane partials of every column of the block wt (K, bw) against the n_in (1 or 2)
     inputs x[:n_in], sharing each weight load: lane t's partial takes column
     c = s*256 + t*8 + j of the slice [c0, c0 + clen), and visiting (s, j, t) in that nesting
-    keeps each partial's additions in the order s, then j. Returns the lanes that got a column."""
+    keeps each partial's additions in the order s, then j. Returns the lanes that got a column.
+    fused: each term enters as fma(w, x, partial) instead of partial + w * x. The canonical
+    products never fuse; benchmarks/fma_products.py measures what fusing would do."""
     bw = wt.shape[1]
     live = min(LANES, (clen + 7) // 8)
     p[:n_in, :live, :] = _ZERO
@@ -237,26 +239,35 @@ def _lane_partials(wt, x, c0, clen, p, n_in):
                 wc = wt[c0 + c]
                 q0, u0 = p[0, t], x[0, c0 + c]
                 if n_in == 1:
-                    for i in range(bw):
-                        q0[i] = q0[i] + wc[i] * u0
+                    if fused:
+                        for i in range(bw):
+                            q0[i] = fma_f32(wc[i], u0, q0[i])
+                    else:
+                        for i in range(bw):
+                            q0[i] = q0[i] + wc[i] * u0
                 else:
                     q1, u1 = p[1, t], x[1, c0 + c]
-                    for i in range(bw):
-                        wi = wc[i]
-                        q0[i] = q0[i] + wi * u0
-                        q1[i] = q1[i] + wi * u1
+                    if fused:
+                        for i in range(bw):
+                            q0[i] = fma_f32(wc[i], u0, q0[i])
+                            q1[i] = fma_f32(wc[i], u1, q1[i])
+                    else:
+                        for i in range(bw):
+                            wi = wc[i]
+                            q0[i] = q0[i] + wi * u0
+                            q1[i] = q1[i] + wi * u1
     return live
 
 
 @numba.njit(cache=True)
-def _matmul_item(x, wb, rows, ks, y, b, a, p):
+def _matmul_item(x, wb, rows, ks, y, b, a, p, fused):
     """Outputs y[a:a+2, block b's rows] (see _matmul)."""
     n, k = x.shape
     wt, bw = wb[b], wb.shape[2]
     r0, rb = b * bw, min(bw, rows - b * bw)
     n_in = min(2, n - a)
     for c0 in range(0, k, ks):
-        live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in)
+        live = _lane_partials(wt, x[a:a + n_in], c0, min(ks, k - c0), p, n_in, fused)
         for e in range(n_in):
             _butterfly_cols(p[e], live, rb)
             for i in range(rb):
@@ -264,7 +275,7 @@ def _matmul_item(x, wb, rows, ks, y, b, a, p):
 
 
 @numba.njit(cache=True)
-def _matmul(x, wb, rows, ks):
+def _matmul(x, wb, rows, ks, fused=False):
     """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
     element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
     same order, the same butterfly, the slices summed in order; so a row's outputs do not
@@ -275,12 +286,12 @@ def _matmul(x, wb, rows, ks):
     p = np.empty((2, LANES, wb.shape[2]), np.float32)
     for b in range(wb.shape[0]):
         for a in range(0, n, 2):
-            _matmul_item(x, wb, rows, ks, y, b, a, p)
+            _matmul_item(x, wb, rows, ks, y, b, a, p, fused)
     return y
 
 
 @numba.njit(cache=True, parallel=True)
-def _matmul_par(x, wb, rows, ks):
+def _matmul_par(x, wb, rows, ks, fused=False):
     """_matmul on all of Numba's threads: the items (weight block, input pair) write disjoint
     outputs, so no sum depends on the thread or the order."""
     n = x.shape[0]
@@ -288,7 +299,7 @@ def _matmul_par(x, wb, rows, ks):
     pairs = (n + 1) // 2
     for item in numba.prange(wb.shape[0] * pairs):
         p = np.empty((2, LANES, wb.shape[2]), np.float32)
-        _matmul_item(x, wb, rows, ks, y, item // pairs, (item % pairs) * 2, p)
+        _matmul_item(x, wb, rows, ks, y, item // pairs, (item % pairs) * 2, p, fused)
     return y
 
 
