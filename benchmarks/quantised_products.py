@@ -13,12 +13,15 @@ Prints numbers; it is not a test.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import ds4ref
-from tests.golden.make_golden import POLICIES, policy_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the policy files' maker, tests/golden
+import ds4ref  # noqa: E402
+from tests.golden.make_golden import POLICIES, policy_model  # noqa: E402
 
 
 def float_path(model):
