@@ -4,8 +4,8 @@
 # benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
 # files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix (default:
-# all but fresh). Logs and tables land under $OUT, which the device tool brings back.
+# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix,profile,spec
+# (default: all but fresh, prefix, profile and spec). Logs and tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
@@ -120,6 +120,16 @@ if has prefix; then
     --out "$OUT/perf_prefix_gpu.md" --json "$OUT/perf_prefix_gpu.json" 2>&1 | tee "$OUT/prefix.log" || rc=1
   timeout ${FULLPREFIX_TIMEOUT:-360} python3 benchmarks/prefix_gpu.py --full --history ${PREFIX_HISTORY:-16384,4096} \
     --out "$OUT/perf_prefix_full_gpu.md" --json "$OUT/perf_prefix_full_gpu.json" 2>&1 | tee "$OUT/prefix_full.log" || rc=1
+fi
+if has profile; then
+  stage "kernel times inside the captured pass (CUPTI; Flash, 43 layers, q2 policy)"
+  timeout ${PROFILE_TIMEOUT:-180} python3 benchmarks/graph_profile.py --full --lanes 1,16 --ctx 4096 --prompt 1024 \
+    --top 40 --out "$OUT/graph_profile.md" 2>&1 | tee "$OUT/profile.log" || rc=1
+fi
+if has spec; then
+  stage "speculative decoding against acceptance, oracle drafts (Flash, 43 layers, q2 policy; K = 3)"
+  timeout ${SPEC_TIMEOUT:-300} python3 -m ds4ref.cli.bench --speculative-tokens 3 --synthetic full --concurrency 1,4,16 \
+    --draft oracle:0 --draft oracle:0.5 --draft oracle:0.7 --draft oracle:1 --no-auto-off 2>&1 | tee "$OUT/spec.log" || rc=1
 fi
 stage "done rc=$rc"
 exit $rc
