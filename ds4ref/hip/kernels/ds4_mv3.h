@@ -222,20 +222,6 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 #define MV3_STG 4  // float4 staging loads a thread keeps in flight per batch (8 would need ~174
                    // registers for bf16 r2 with the weight group also in flight: one block per SM)
 
-// Rows of row block rblk (8*R rows) of one matrix (Wb: its first byte, rb bytes per row) over columns
-// [cbeg, cbeg + clen) for na active inputs: xrow[a] is input a's row (column 0),
-// y[ybase[a] + r] receives row r's dot for input a. xrow/ybase live in shared memory
-// and are written before the first barrier here.
-//
-// Latency (why the chunk loop is laid out like this): a block's time at 16 lanes was
-// set by round trips, not by bandwidth: the old staging loop issued one scalar load per
-// thread and waited for it before the next (32 round trips per 512-column chunk, ~75 µs
-// for any 4096-wide matrix whatever its row count), and the chunk's weight loads were
-// issued only after the staging barrier. Now the first weight group of a chunk is loaded
-// before the barrier, and the chunk is staged with 16-byte loads, MV3_STG per thread all
-// in flight before any store: one round trip per 1024 staged float4 (two for a 16-lane chunk), which
-// overlaps the weights' own. The arithmetic (which columns each lane sums, in which
-// order, with which FMA sequence) is unchanged, so results stay bitwise v1's.
 // y[ybase[a] + row0 + i] <- the sum over the warp of acc[i][a] (ds4_warp_sum's butterfly) for the
 // na inputs and the rows below N. The butterflies of MV_SUMG inputs x R rows run side by side, so a
 // shuffle's latency is spent on the others' instead of being waited out one sum at a time; the
@@ -262,6 +248,20 @@ __device__ __forceinline__ void mv3_store_sums(float (&acc)[R][MV_LANES], int na
     }
 }
 
+// Rows of row block rblk (8*R rows) of one matrix (Wb: its first byte, rb bytes per row) over columns
+// [cbeg, cbeg + clen) for na active inputs: xrow[a] is input a's row (column 0),
+// y[ybase[a] + r] receives row r's dot for input a. xrow/ybase live in shared memory
+// and are written before the first barrier here.
+//
+// Latency (why the chunk loop is laid out like this): a block's time at 16 lanes was
+// set by round trips, not by bandwidth: the old staging loop issued one scalar load per
+// thread and waited for it before the next (32 round trips per 512-column chunk, ~75 µs
+// for any 4096-wide matrix whatever its row count), and the chunk's weight loads were
+// issued only after the staging barrier. Now the first weight group of a chunk is loaded
+// before the barrier, and the chunk is staged with 16-byte loads, MV3_STG per thread all
+// in flight before any store: one round trip per 1024 staged float4 (two for a 16-lane chunk), which
+// overlaps the weights' own. The arithmetic (which columns each lane sums, in which
+// order, with which FMA sequence) is unchanged, so results stay bitwise v1's.
 template <int WT, int R, int U>
 __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long long rb, int N, int cbeg, int clen,
                                          int na, const float* const* xrow, const long long* ybase,
