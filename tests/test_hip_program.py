@@ -133,16 +133,16 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     assert small[embed][1] == (16,) and big[embed][1] == (256,)
     assert backend.compact == (numerics == "official")
     quantised = [k.name for k, *_ in small if k.name.startswith(("ds4_qmatvec", "ds4_qexperts"))]
-    # int8 rows come from the quantiser, or from the norm / activation that produced the input
-    # (the argument position of their codes buffer)
-    producers = {"ds4_quantize_q8": 4, "ds4_rmsnorm_q8": 6, "ds4_swiglu_act_q8": 5}
-    quantise = [op for op in small if op[0].name in producers]
+    # int8 rows come from the quantiser, or from the norm / activation / attention combine that
+    # produced the input (the argument position of their codes buffer)
+    producers = {"ds4_quantize_q8": 4, "ds4_rmsnorm_q8": 6, "ds4_swiglu_act_q8": 5, "step_attention_combine": 17}
+    quantise = [op for op in small if op[0].name in producers and op[3][producers[op[0].name]] is not None]
     if weights == "q2" and numerics == "official":
         # every quantised product reads int8 rows some earlier launch of the pass wrote
         written: set[int] = set()
         for k, _grid, _block, args, _shared in small:
             name = k.name
-            if name in producers:
+            if name in producers and args[producers[name]] is not None:
                 written.add(id(args[producers[name]]))
             elif name.startswith(("ds4_qmatvec", "ds4_qexperts")):
                 assert id(args[2]) in written, f"{name} reads int8 rows nothing wrote before it"

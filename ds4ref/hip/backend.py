@@ -49,7 +49,7 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
-from .workspace import (attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
+from .workspace import (JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width, rope_positions, score_capacity,
                         shared_q8_inputs, workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
@@ -119,6 +119,9 @@ class HipBackend:
             if name != "token_embd.weight" and t.wtype in K.QUANT_WTYPES and t.packed != self.quantised_products:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
                                  f"numerics, the model runs {self.numerics}")
+        for il in range(self.cfg.n_layer):  # one launch for each pair (_mv_joint)
+            for pair in JOINT_WEIGHTS:
+                self.w.join([f"blk.{il}.{n}" for n in pair])
         self.use_graph = (getenv("DS4REF_HIP_GRAPH") != "0") if use_graph is None else use_graph
         self.compact = kv_storage("hip", self.numerics) == "compact"  # the memory plan's rule
         self._tables()
@@ -370,7 +373,7 @@ class HipBackend:
 
     # ---- constants and workspace ---------------------------------------------------------
     def _tables(self) -> None:
-        # transposed: ds4_hadamard_rows reads it a column per thread (its comment says why)
+        # transposed: ds4_qat_rows reads it a column per thread (its comment says why)
         self.hadamard = self.rt.upload(np.ascontiguousarray(np.asarray(self.model.tables.hadamard, F32).T))
         self.rope_cs: dict[int, object] = {}
 
@@ -389,10 +392,17 @@ class HipBackend:
 
     def _alloc_workspace(self) -> None:
         st, L = self.state, self.max_pass_rows  # every bucket's program uses the first lanes of these buffers
-        for name, n in workspace_sizes(self.cfg, L, st.maxp, st.page_tokens, self.quantised_products).items():
-            buf = self.rt.malloc(4 * L * n)
-            self.rt.memset32(buf, 0, L * n)
+        sizes = workspace_sizes(self.cfg, L, st.maxp, st.page_tokens, self.quantised_products)
+        second = {b: a for a, b in JOINT_OUTPUTS}
+        for name, n in sizes.items():
+            if name in second:
+                continue
+            parts = 2 if any(name == a for a, _ in JOINT_OUTPUTS) else 1
+            buf = self.rt.malloc(4 * L * n * parts)
+            self.rt.memset32(buf, 0, L * n * parts)
             self._ws[name] = buf
+        for b, a in second.items():
+            self._ws[b] = K.view(self._ws[a], 4 * L * sizes[a], 4 * L * sizes[b])
         ws = self._ws
         self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"],
                             L * q8_width(self.cfg, self.quantised_products))
@@ -420,10 +430,25 @@ class HipBackend:
     # small launch helpers ---------------------------------------------------------------
     def _mv(self, rec, name, x, y, q8=None, **kw):
         """y = x @ W.T for every lane; q8: x's int8 rows where a producer already made them."""
+        self._mv_w(rec, self.w.mat(name), x, y, q8, **kw)
+
+    def _mv_joint(self, rec, names, x, ys, q8=None) -> None:
+        """_mv of each of names into ys[i] (which read the same x), as one grouped launch where
+        DeviceWeights.join laid the matrices end to end and the ys are one allocation's equal
+        parts (JOINT_OUTPUTS). A lane's sums are those of the separate products: the same
+        kernel and order, the K-split aside, so split shapes run separately."""
+        w = self.w.joint(names)
+        rows = w.rows // len(names) if w is not None else 0
+        if w is None or K.matvec_ksplit(rows, w.cols):
+            for name, y in zip(names, ys):
+                self._mv(rec, name, x, y, q8=q8)
+            return
+        self._mv_w(rec, w, x, ys[0], q8, groups=len(names), ldy=rows, gs=(ys[1].ptr - ys[0].ptr) // 4)
+
+    def _mv_w(self, rec, w, x, y, q8=None, **kw):
         L = rec.L
         # padding lanes past the last row are skipped on the device
         kw.setdefault("lane_slot", self.state.lane("slot"))
-        w = self.w.mat(name)
         if w.packed:
             width = kw.pop("ldx", None) or w.cols
             if q8 is None:
@@ -443,6 +468,13 @@ class HipBackend:
             K.launch_rmsnorm_q8(rec, x, w, y, rows, D, self.cfg.rms_eps, q8, lanes)
             return
         K.launch_rmsnorm(rec, x, w, y, rows, D, self.cfg.rms_eps, lanes, rows // L)
+
+    def _norm_rope(self, rec, x, wname, y, posbuf, ratio, rows_per_lane, D, fp8=False):
+        """_norm then _rope (then, with fp8, the FP8 round trip of the other dims) in one launch."""
+        w = None if wname is None else self.w.vec(wname)
+        K.launch_norm_rope(rec, x, w, y, rec.L, rows_per_lane, D, self.cfg.rms_eps, posbuf,
+                           self.rope_cs[1 if ratio else 0], self.cfg.n_rot // 2, fp8=fp8,
+                           lane_slot=self.state.lane("slot"))
 
     def _rope(self, rec, v, posbuf, ratio, rows_per_lane, D, inverse=False):
         L = rec.L
@@ -480,25 +512,23 @@ class HipBackend:
         self._mv(rec, p + "attn_q_a.weight", ws["a"], ws["qa_raw"], q8=q8a)
         self._norm(rec, ws["qa_raw"], p + "attn_q_a_norm.weight", ws["qr"], L, c.q_lora_rank, q8=q8qr)
         self._mv(rec, p + "attn_q_b.weight", ws["qr"], ws["q_raw"], q8=q8qr)
-        self._norm(rec, ws["q_raw"], None, ws["q"], L * H, D)
+        self._norm_rope(rec, ws["q_raw"], None, ws["q"], pos, ratio, H, D)
         self._mv(rec, p + "attn_kv.weight", ws["a"], ws["kv_raw"], q8=q8a)
-        self._norm(rec, ws["kv_raw"], p + "attn_kv_a_norm.weight", ws["kv"], L, D)
-        self._rope(rec, ws["q"], pos, ratio, H, D)
-        self._rope(rec, ws["kv"], pos, ratio, 1, D)
-        kv = ws["kv"]
-        if self.numerics == "official":
-            rec.launch(K.kernel(rec, "quant", "ds4_fp8sim"), (L,), (256,), (kv, ws["kv8"], I32(L), I32(D), I32(c.n_rot)))
-            kv = ws["kv8"]
+        kv = ws["kv8"] if self.numerics == "official" else ws["kv"]  # official: FP8 round-tripped
+        self._norm_rope(rec, ws["kv_raw"], p + "attn_kv_a_norm.weight", kv, pos, ratio, 1, D,
+                        fp8=self.numerics == "official")
         sel = None
         if ratio:
             self._compressor(rec, il, ATTN)
             if ratio == CSA:
                 self._compressor(rec, il, INDEX)
                 sel = self._indexer(rec, il)
-        self._attend(rec, il, kv, sel)
-        self._rope(rec, ws["o"], pos, ratio, H, D, inverse=True)
+        # the output's inverse RoPE, and its int8 rows where the output product is quantised,
+        # are the attention combine's epilogue
+        q8o = self._q8 if self.w.mat(p + "attn_output_a.weight").packed else None
+        self._attend(rec, il, kv, sel, q8o)
         hd = H * D
-        self._mv(rec, p + "attn_output_a.weight", ws["o"], ws["z"], groups=c.o_groups, ldx=hd,
+        self._mv(rec, p + "attn_output_a.weight", ws["o"], ws["z"], q8=q8o, groups=c.o_groups, ldx=hd,
                  xg=hd // c.o_groups, ldy=c.o_groups * c.o_lora_rank)
         self._mv(rec, p + "attn_output_b.weight", ws["z"], ws["y"])
         self._hc_post(rec, ws["s0"], ws["y"], ws["s1"])
@@ -514,8 +544,7 @@ class HipBackend:
         pre = f"blk.{il}." + ("attn_compressor" if kind == ATTN else "indexer_compressor")
         pkv, psc = (ws["ckv"], ws["csc"]) if kind == ATTN else (ws["ikv"], ws["isc"])
         nkv, nsc = (ws["nprev_a_kv"], ws["nprev_a_sc"]) if kind == ATTN else (ws["nprev_i_kv"], ws["nprev_i_sc"])
-        self._mv(rec, pre + "_kv.weight", ws["a"], pkv, q8=self._q8_of.get("a"))
-        self._mv(rec, pre + "_gate.weight", ws["a"], psc, q8=self._q8_of.get("a"))
+        self._mv_joint(rec, (pre + "_kv.weight", pre + "_gate.weight"), ws["a"], (pkv, psc), q8=self._q8_of.get("a"))
         C = 8 if ratio == CSA else ratio
         kso = rec.compile_file("step_state.hip").kernel
         rec.launch(kso("step_comp_gather"), (_blocks(L * C * width, 256),), (256,),
@@ -524,28 +553,20 @@ class HipBackend:
                     st.lane("flane"), ws["cand_kv"], ws["cand_sc"], nkv, nsc, ws["emit_pos"]))
         rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(width, 32), L), (256,),
                    (ws["cand_kv"], ws["cand_sc"], ws["pooled"], I32(L), I32(C), I32(width)))
-        self._norm(rec, ws["pooled"], pre + "_norm.weight", ws["crow"], L, width)
-        self._rope(rec, ws["crow"], ws["emit_pos"], ratio, 1, width)
-        row = ws["crow"]
-        if self.numerics == "official":
-            if kind == INDEX:
-                row = self._qat(rec, row, ws["crow2"], ws["crow3"], L, width)
-            else:
-                rec.launch(K.kernel(rec, "quant", "ds4_fp8sim"), (L,), (256,),
-                           (row, ws["crow2"], I32(L), I32(width), I32(c.n_rot)))
-                row = ws["crow2"]
+        # official: the attention rows FP8 round-tripped, the index rows through the QAT
+        fp8 = self.numerics == "official" and kind == ATTN
+        row = ws["crow2"] if fp8 else ws["crow"]
+        self._norm_rope(rec, ws["pooled"], pre + "_norm.weight", row, ws["emit_pos"], ratio, 1, width, fp8=fp8)
+        if self.numerics == "official" and kind == INDEX:
+            row = self._qat(rec, row, ws["crow2"], L, width)
         per = st.layout.rows_per_page(ratio)
         rec.launch(kso("step_comp_store"), (L,), (128,),
                    (row, st.pages[(il, kind)], st.btab, I32(st.maxp), I32(per), I32(ratio), I32(width),
                     I32(st.row_format(kind)), I32(c.n_rot), st.lane("slot"), st.lane("pos")))
 
-    def _qat(self, rec, x, tmp, out, rows, n):
+    def _qat(self, rec, x, out, rows, n):
         """Hadamard rotation then FP4 blocks (ops.qat)."""
-        L = rec.L
-        rec.launch(K.kernel(rec, "quant", "ds4_hadamard_rows"), (_blocks(rows * n, 256),), (256,),
-                   (x, self.hadamard, tmp, I32(rows), I32(n), self.state.lane("slot"), I32(rows // L)))
-        nb = rows * n // 32
-        rec.launch(K.kernel(rec, "quant", "ds4_e2m1_blocks"), (_blocks(nb, 8),), (256,), (tmp, out, np.int64(nb)))
+        K.launch_qat(rec, x, self.hadamard, out, rows, n, self.state.lane("slot"), rows // rec.L)
         return out
 
     def _indexer(self, rec, il: int):
@@ -558,7 +579,7 @@ class HipBackend:
         self._rope(rec, ws["qi"], st.lane("pos"), 4, Hi, Di)
         qi = ws["qi"]
         if self.numerics == "official":
-            qi = self._qat(rec, qi, ws["qi_h"], ws["qi_q"], L * Hi, Di)
+            qi = self._qat(rec, qi, ws["qi_q"], L * Hi, Di)
         self._mv(rec, p + "indexer.proj.weight", ws["a"], ws["wraw"], q8=self._q8_of.get("a"))
         scale = F32(1.0 / math.sqrt(Hi * Di))
         per = st.layout.rows_per_page(4)
@@ -571,7 +592,7 @@ class HipBackend:
                    (ws["scores"], st.nvis(4), I32(self.ncap4), I32(c.indexer_top_k), ws["sel"]))
         return ws["sel"]
 
-    def _attend(self, rec, il: int, kv, sel) -> None:
+    def _attend(self, rec, il: int, kv, sel, q8=None) -> None:
         L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         ratio, H, D = c.ratio(il), c.n_head, c.head_dim
@@ -585,10 +606,10 @@ class HipBackend:
                     I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
                     I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
                     F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
-        rec.launch(kso("step_attention_combine"), (H, L), (K.AT_CT,),
-                   (ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"), st.lane("pos"), store,
-                    nvis, sel, I32(c.indexer_top_k), I32(c.sliding_window), I32(H), I32(D), I32(self.at_nz),
-                    ws["o"]))
+        K.launch_attention_combine(rec, ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"),
+                                   st.lane("pos"), store, nvis, sel, c.indexer_top_k, c.sliding_window, H, D,
+                                   self.at_nz, ws["o"], L, rope=self.rope_cs[1 if ratio else 0],
+                                   half=c.n_rot // 2, q8=q8)
 
     def _commit(self, rec, il: int, kv) -> None:
         """Write the pass into the ring and the compressor state (after every reader)."""
@@ -641,8 +662,8 @@ class HipBackend:
         shared = None
         if c.n_expert_shared:
             ffs = self.w.mat(p + "ffn_gate_shexp.weight").rows
-            self._mv(rec, p + "ffn_gate_shexp.weight", ws["xn"], ws["sg"], q8=q8xn)
-            self._mv(rec, p + "ffn_up_shexp.weight", ws["xn"], ws["su"], q8=q8xn)
+            self._mv_joint(rec, (p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"), ws["xn"],
+                           (ws["sg"], ws["su"]), q8=q8xn)
             q8h = self._q8 if self.w.mat(p + "ffn_down_shexp.weight").packed else None
             K.launch_swiglu_act(rec, ws["sg"], ws["su"], ws["sh"], L * ffs, clamp, q8h)
             self._mv(rec, p + "ffn_down_shexp.weight", ws["sh"], ws["sd"], q8=q8h)

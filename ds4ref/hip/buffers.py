@@ -12,11 +12,12 @@ KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
 class DeviceBuffer:
     """A device allocation; free() or the runtime's free() releases it."""
 
-    def __init__(self, rt, ptr: int, nbytes: int):
+    def __init__(self, rt, ptr: int, nbytes: int, owned: bool = True):
         self.rt, self.ptr, self.nbytes = rt, int(ptr), int(nbytes)
+        self.owned = owned  # False: a view into another buffer, which frees the memory
 
     def free(self) -> None:
-        if self.ptr:
+        if self.ptr and self.owned:
             self.rt.free(self)
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ from ..console import progress
 from ..gguf.mtp import PREFIX as MTP_PREFIX
 from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
 from .guards import check_weight_types
-from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows
+from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows, view
 
 WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 _GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
@@ -76,6 +76,7 @@ class DeviceWeights:
         self.vecs: dict[str, object] = {}
         self.bytes = 0
         self.borrowed: set[str] = set()  # another DeviceWeights' matrices, freed by it
+        self.joints: dict[tuple, object] = {}  # join(): the buffers that hold joined matrices
 
     # ---- access ------------------------------------------------------------------
     def mat(self, name: str) -> DeviceWeight:
@@ -90,10 +91,40 @@ class DeviceWeights:
     def free(self) -> None:
         for name, t in self.mats.items():
             if name not in self.borrowed:
-                t.buf.free()
-        for b in self.vecs.values():
+                t.buf.free()  # a joined matrix's view frees nothing: its joint buffer goes below
+        for b in [*self.vecs.values(), *self.joints.values()]:
             b.free()
-        self.mats, self.vecs = {}, {}
+        self.mats, self.vecs, self.joints = {}, {}, {}
+
+    def join(self, names) -> bool:
+        """Lay these matrices' rows end to end in one buffer (each name then a view of its part),
+        so that matrices of one shape that read the same input run as one grouped launch
+        (HipBackend._mv_joint). False, and nothing moved, when they differ in shape or encoding
+        or are not this object's own."""
+        ts = [self.mats.get(n) for n in names]
+        if any(t is None or n in self.borrowed for n, t in zip(names, ts)):
+            return False
+        if len({(t.wtype, t.shape, t.packed, t.buf.nbytes) for t in ts}) != 1:
+            return False
+        if tuple(names) in self.joints:
+            return True
+        size = ts[0].buf.nbytes
+        joint = self.rt.malloc(size * len(ts))
+        for i, (n, t) in enumerate(zip(names, ts)):
+            part = view(joint, i * size, size)
+            self.rt.d2d(part, t.buf, size)
+            t.buf.free()
+            self.mats[n] = DeviceTensor(part, t.wtype, t.shape, t.packed)
+        self.joints[tuple(names)] = joint
+        return True
+
+    def joint(self, names) -> DeviceWeight | None:
+        """The joined matrices as one: rows of every name in order (None unless join(names))."""
+        joint = self.joints.get(tuple(names))
+        if joint is None:
+            return None
+        w = self.mat(names[0])
+        return DeviceWeight(joint, w.wtype, w.rows * len(names), w.cols, w.packed)
 
     # ---- building ------------------------------------------------------------------
     def _put_vec(self, name: str, arr: np.ndarray) -> None:

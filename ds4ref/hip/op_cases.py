@@ -124,12 +124,15 @@ def paged_keys(lanes: g.PagedLanes, l, pass_kv, ring, store, sel):
     return np.array(raw + rows, F32).reshape(-1, ring.shape[2])
 
 
-def ref_attention_paged(q, pass_kv, ring, store, sel, ksel, lanes, sinks, kind=0, n_rot=0):
+def ref_attention_paged(q, pass_kv, ring, store, sel, ksel, lanes, sinks, kind=0, n_rot=0, rope=None, q8=False):
     out = np.zeros(q.shape, F32)
     for l in range(q.shape[0]):
         if lanes.slot[l] >= 0:
             out[l] = ref.attention_with_sinks(q[l], paged_keys(lanes, l, pass_kv, ring, store, sel), sinks)
-    return out
+        if rope is not None:  # the backend's inverse RoPE of the output, padding lanes' zeros too
+            cs = rope[lanes.pos[l]]
+            out[l] = ref.rope(out[l], cs[:, 0], cs[:, 1], inverse=True)
+    return (out, *canon.quantize_q8(out.reshape(len(out), -1))) if q8 else out
 
 
 def ref_indexer_paged(qi, wraw, scale, store, lanes, ncap, kind=0):
@@ -151,7 +154,9 @@ def _compact_rows(rows, kind, n_rot):
     return rows
 
 
-def make_attention(seed, L, H, D, W, store, kind, span=1):
+def make_attention(seed, L, H, D, W, store, kind, span=1, epilogue="none"):
+    """epilogue: what the combine adds to the output ("rope": the inverse RoPE, "rope+q8": and
+    its int8 rows)."""
     n_rot = 64 if kind == g.ROW_KV else 0
     if kind == g.ROW_KV and (D - n_rot) % 64:
         return None
@@ -172,7 +177,13 @@ def make_attention(seed, L, H, D, W, store, kind, span=1):
             pick = np.arange(n) if n <= ksel else np.sort(rng.choice(n, ksel, replace=False))
             sel[l, :len(pick)] = pick
     sinks = rnd(seed + 4, H)
-    args = (q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot)
+    rope = None
+    if epilogue != "none":
+        r = n_rot or 16
+        cos, sin = ref.rope_cos_sin(ref.rope_omega(r, 10000.0, (16.0, 65536, 32.0, 1.0)),
+                                    np.arange(max(lanes.pos) + 1), F32)
+        rope = np.stack([cos, sin], axis=-1)
+    args = (q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot, rope, epilogue == "rope+q8")
     return args, args
 
 
@@ -194,6 +205,21 @@ def make_rope(seed, rows, heads, nope, n_rot, inverse):
     # the device reads the table by position: here row i of the table is lane i's position
     table = np.stack([cos, sin], axis=-1)
     return (v, table, np.arange(rows), inverse), (v, cos[:, None, :], sin[:, None, :], inverse)
+
+
+def make_norm_rope(seed, rows, heads, nope, n_rot, wscale, inverse, fp8):
+    """rmsnorm's rows then make_rope's table and positions (fp8: the non-RoPE dims in blocks of 64).
+    The weight's scale (0: rms0, no weight) spreads the FP8 blocks' scales over their range."""
+    (v, table, pos, _), (_, cos, sin, _) = make_rope(seed, rows, heads, nope, n_rot, inverse)
+    x = v * F32(3.0)
+    w = rnd(seed + 1, nope + n_rot, scale=wscale) if wscale else None
+    return (x, w, 1e-6, table, pos, inverse, fp8), (x, w, 1e-6, cos, sin, inverse, fp8)
+
+
+def ref_norm_rope(x, w, eps, cos, sin, inverse, fp8):
+    y = ref.rmsnorm(x, w, eps) if w is not None else ref.rms0(x, eps)
+    y = ref.rope(y, cos, sin, inverse)
+    return ref.fp8sim(y, 2 * cos.shape[-1]) if fp8 else y
 
 
 def make_topk(seed, L, ncap, k, n_levels):
@@ -279,6 +305,22 @@ def make_grouped(seed, N, groups, hpg, D, rank, wtype):
     wa, waf = make_weight(seed + 1, groups * rank, hpg * D, wtype)
     wb, wbf = make_weight(seed + 2, d, groups * rank, wtype)
     return (o, wa, wb, groups, wtype, wtype), (o, waf, wbf, groups)
+
+
+def make_joint(seed, L, G, n, kb, wtype):
+    """G matrices of one shape read by one input (the compressor's kv and gate, the shared
+    expert's gate and up); n rows past 64 (64 or fewer with K >= 2048 are K-split, run alone)."""
+    k = 32 * kb if g.BLOCK_QUANTS.get(wtype, (0, 32))[1] == 32 else 256 * max(1, kb // 8)
+    made = [make_weight(seed + i, n, k, wtype) for i in range(G)]
+    x = rnd(seed + G, L, k)
+    return ([w for w, _ in made], x, wtype), (made, x, wtype)
+
+
+def ref_joint(made, x, wtype):
+    """Each product alone: the quantised ones canon.qlinear's of the GGUF rows, the rest linear."""
+    if wtype in g.QUANT_WTYPES:
+        return tuple(canon_qlinear(x, w, wtype) for w, _ in made)
+    return tuple(ref.linear(x, wf) for _, wf in made)
 
 
 def make_hc_pre(seed, N, hc, d, iters):
@@ -536,6 +578,18 @@ def perf_hc_pre(b, L):
           [lambda fw=fw: run(fw) for fw in fws])
 
 
+def perf_norm_rope(b, L):
+    """q's rms0 and RoPE (64 heads x 512, the last 64 dims rotated), then the KV row's rmsnorm,
+    RoPE and FP8 round trip."""
+    H, D, half = 64, 512, 32
+    pos, cs = b.up(np.arange(L, dtype=I32)), b.up(b.rnd(L, half, 2))
+    q, qo, w = b.up(b.rnd(L, H, D)), b.out((L, H, D)), b.up(b.rnd(D))
+    b.add("norm_rope q 64h x 512", L, 4 * 2 * L * H * D,
+          [lambda: g.launch_norm_rope(b.rt, q, None, qo, L, H, D, 1e-6, pos, cs, half)])
+    b.add("norm_rope kv 512 + fp8", L, 4 * (2 * L * D + D),
+          [lambda: g.launch_norm_rope(b.rt, q, w, qo, L, 1, D, 1e-6, pos, cs, half, fp8=True)])
+
+
 def perf_rope(b, L):
     """q of 64 heads x 512, the last 64 dims rotated, positions read on the device."""
     H, D, half = 64, 512, 32
@@ -561,15 +615,18 @@ def perf_attention(b, L):
     lane = [b.up(a) for a in (slot, pos, pos, slot, np.full(L, nvis, I32))]  # slot pos pstart flane nvis
     nz = g._blocks(W + ksel, g.AT_SPLIT)
     m, den, acc, out, bt = b.out((L, H, nz)), b.out((L, H, nz)), b.out((L, H, nz, D)), b.out((L, H, D)), b.up(btab)
-    split, comb = g.kernel(rt, "step_state", "step_attention_split"), g.kernel(rt, "step_state", "step_attention_combine")
+    split = g.kernel(rt, "step_state", "step_attention_split")
+    rope, q8 = b.up(b.rnd(p + 1, 32, 2)), g.Q8Rows.alloc(rt, L * H * D)  # the backend's epilogue
+    b.keep += [q8.xq, q8.dx, q8.xs]
 
     def run():
         rt.launch(split, (g._blocks(H, 8), L, nz), (256,),
                   (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
                    *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
-        rt.launch(comb, (H, L), (g.AT_CT,), (m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, I32(ksel),
-                                         I32(W), I32(H), I32(D), I32(nz), out))
-    b.add("attention paged 64h x 512, 128 ring + 512 sel", L, 4 * L * ((W + ksel) * D + 2 * H * D), [run])
+        g.launch_attention_combine(rt, m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, ksel, W, H, D, nz,
+                                   out, L, rope=rope, half=32, q8=q8)
+    b.add("attention paged 64h x 512, 128 ring + 512 sel (+ rope, int8 rows)", L,
+          4 * L * ((W + ksel) * D + 2 * H * D), [run])
 
 
 def perf_indexer(b, L):
@@ -599,25 +656,13 @@ def perf_pool(b, L):
                                                         (kv, s, o, I32(L), I32(C), I32(D)))])
 
 
-def perf_fp8sim(b, L):
-    D = 512
-    kvr, kvo = b.up(b.rnd(L, D)), b.out((L, D))
-    k = g.kernel(b.rt, "quant", "ds4_fp8sim")
-    b.add("fp8sim 512 (rope 64)", L, 8 * L * D,
-          [lambda: b.rt.launch(k, (L,), (256,), (kvr, kvo, I32(L), I32(D), I32(64)))])
-
-
 def perf_qat(b, L):
     """The indexer query's QAT: 64 heads x 128, Hadamard rotation then FP4 blocks."""
     Di, R = 128, L * 64
-    hq, hr, ho = b.up(b.rnd(R, Di)), b.out((R, Di)), b.out((R, Di))
+    hq, ho = b.up(b.rnd(R, Di)), b.out((R, Di))
     hh = b.up(np.ascontiguousarray(ref.hadamard(Di, F32).T))  # the kernel reads the table transposed
-    kh, ke = g.kernel(b.rt, "quant", "ds4_hadamard_rows"), g.kernel(b.rt, "quant", "ds4_e2m1_blocks")
-
-    def run():
-        b.rt.launch(kh, (g._blocks(R * Di, 256),), (256,), (hq, hh, hr, I32(R), I32(Di), None, I32(1)))
-        b.rt.launch(ke, (g._blocks(R * Di // 32, 8),), (256,), (hr, ho, np.int64(R * Di // 32)))
-    b.add("qat 64h x 128 (hadamard + e2m1)", L, 4 * (2 * R * Di + Di * Di), [run])
+    b.add("qat 64h x 128 (hadamard + e2m1)", L, 4 * (2 * R * Di + Di * Di),
+          [lambda: g.launch_qat(b.rt, hq, hh, ho, R, Di)])
 
 
 def perf_route(b, L):
@@ -728,19 +773,13 @@ CASES: tuple[OpCase, ...] = (
     OpCase("rope_pos", ("step_rope_pos",), g.rope_pos, ref.rope,
            make_rope, dict(heads=range(1, 5), nope=[0, 64, 448], n_rot=[16, 64], inverse=[False, True]),
            "prompt", perf=perf_rope),
-    OpCase("fp8sim", ("ds4_fp8sim",), g.fp8sim, ref.fp8sim,
-           _same_args(lambda seed, rows, nblk, n_rot, scale: (rnd(seed, rows, 64 * nblk + n_rot, scale=scale), n_rot)),
-           dict(nblk=range(1, 8), n_rot=[0, 64], scale=[1e-6, 1e-2, 1.0, 30.0, 400.0]), compare="equal",
-           perf=perf_fp8sim),
-    OpCase("e2m1_blocks", ("ds4_e2m1_blocks",), g.e2m1_blocks,
-           lambda r: ref._block_quant(r, 32, 6.0, 7.052966104933725e-38, ref.e2m1_round),
-           _same_args(lambda seed, rows, scale: (rnd(seed, rows, 128, scale=scale),)),
-           dict(scale=[1e-30, 1e-3, 1.0, 1e4]), compare="equal"),
-    OpCase("hadamard_rotate", ("ds4_hadamard_rows",), g.hadamard_rotate, canon.hadamard_rotate,
-           _same_args(lambda seed, rows, n: (rnd(seed, rows, n), ref.hadamard(n, F32))), dict(n=[32, 64, 128])),
-    OpCase("qat", ("ds4_hadamard_rows", "ds4_e2m1_blocks"), g.qat, ref.qat,
-           _same_args(lambda seed, rows, n: (rnd(seed, rows, n), ref.hadamard(n, F32))), dict(n=[32, 64, 128]),
-           perf=perf_qat),
+    OpCase("norm_rope", ("ds4_norm_rope",), g.norm_rope, ref_norm_rope,
+           make_norm_rope, dict(heads=[1, 3], nope=[64, 448], n_rot=[16, 64], wscale=[0, 1e-6, 1e-2, 1.0, 30.0, 400.0],
+                                inverse=[False, True], fp8=[False, True]),
+           "prompt", compare="equal", perf=perf_norm_rope),
+    OpCase("qat", ("ds4_qat_rows",), g.qat, ref.qat,
+           _same_args(lambda seed, rows, n, scale: (rnd(seed, rows, n, scale=scale), ref.hadamard(n, F32))),
+           dict(n=[32, 64, 128], scale=[1e-30, 1e-3, 1.0, 1e4]), compare="equal", perf=perf_qat),
     OpCase("matvec", ("ds4_matvec3_*", "ds4_matvec3_*_ks", "ds4_matvec3_ksum"), g.matvec, ref.linear, _make_matvec,
            dict(n=range(1, 301), kb=range(1, 81), wtype=["f32", "f16", "bf16", "q8_0"]), "prompt",
            perf=perf_matvec),
@@ -749,8 +788,13 @@ CASES: tuple[OpCase, ...] = (
     OpCase("grouped_output", ("ds4_matvec3_*",), g.grouped_output, ref.grouped_output, make_grouped,
            dict(groups=[1, 2, 4], hpg=range(1, 4), D=[32, 64], rank=range(1, 41), wtype=["f32", "bf16"]),
            perf=perf_grouped),
+    OpCase("joint_matvec", ("ds4_matvec3_*", "ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qgemm_*"), g.joint_matvec,
+           ref_joint, make_joint, dict(G=[2, 3], n=range(65, 300), kb=range(1, 81),
+                                       wtype=["f32", "f16", "bf16", "q8_0", "q2_k", "iq2_xxs"]), "prompt"),
+    # d = 1096 ends inside a column block of the finish; every hc * d is a multiple of 8, as the
+    # f32 projection needs
     OpCase("hc_pre", ("ds4_hc_pre_finish", "ds4_matvec3_*"), g.hc_pre, ref.hc_pre, make_hc_pre,
-           dict(hc=[1, 2, 4], d=[64, 256, 1100], iters=range(1, 21)), "prompt", perf=perf_hc_pre),
+           dict(hc=[1, 2, 4], d=[64, 256, 1096], iters=range(1, 21)), "prompt", perf=perf_hc_pre),
     OpCase("hc_post", ("ds4_hc_post",), g.hc_post, ref.hc_post,
            _same_args(lambda seed, N, hc, d: (rnd(seed, N, hc, d), rnd(seed + 1, N, d), rnd(seed + 2, N, hc),
                                               np.abs(rnd(seed + 3, N, hc, hc)))),
@@ -761,7 +805,8 @@ CASES: tuple[OpCase, ...] = (
     OpCase("attention_paged", ("step_attention_split", "step_attention_combine"), g.attention_paged,
            ref_attention_paged, make_attention,
            dict(H=[1, 3, 8, 20], D=[32, 128, 512], W=range(1, 17), store=["none", "all", "selected"],
-                kind=[g.ROW_F32, g.ROW_KV], span=[1, 40]), "prompt", perf=perf_attention),
+                kind=[g.ROW_F32, g.ROW_KV], span=[1, 40], epilogue=["none", "rope", "rope+q8"]), "prompt",
+           perf=perf_attention),
     OpCase("indexer_paged", ("step_indexer_paged",), g.indexer_paged, ref_indexer_paged, make_indexer,
            dict(Hi=[1, 8, 64], Di=[32, 128], kind=[g.ROW_F32, g.ROW_IX]), "prompt", perf=perf_indexer),
     OpCase("topk", ("ds4_topk",), g.topk_batched, ref_topk, make_topk,

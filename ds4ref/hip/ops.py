@@ -235,51 +235,56 @@ def rope_pos(v, cs, pos, inverse=False, rt=None):
         return s.get(vb, v.shape)
 
 
+def launch_norm_rope(rt, x: DeviceBuffer, w: DeviceBuffer | None, y: DeviceBuffer, L: int, rows_per_lane: int,
+                     D: int, eps: float, pos: DeviceBuffer, cs: DeviceBuffer, half: int, inverse: bool = False,
+                     fp8: bool = False, lane_slot=None) -> None:
+    """y <- rmsnorm of x's L * rows_per_lane rows, RoPE'd at their lanes' positions and, with
+    fp8, the other dims FP8 round-tripped (reference ops.fp8sim): launch_rmsnorm, step_rope_pos and
+    the round trip in one launch."""
+    _need(2 * half <= D, f"norm_rope: {2 * half} rotated dims exceed the row length {D}")
+    _need(not fp8 or (D - 2 * half) % 64 == 0, f"norm_rope: non-RoPE dims {D - 2 * half} must be a multiple of 64")
+    rt.launch(kernel(rt, "norm", "ds4_norm_rope"), (L * rows_per_lane,), (256,),
+              (x, w, y, I32(D), F32(eps), lane_slot, I32(rows_per_lane), pos, cs, I32(half),
+               I32(1 if inverse else 0), I32(1 if fp8 else 0)))
+
+
+def norm_rope(x, w, eps, cs, pos, inverse=False, fp8=False, rt=None):
+    """Twin of rmsnorm (rms0 without w), then rope_pos, then (fp8) ref.fp8sim with n_rot = 2 * half:
+    x (L, R, D) rows of L lanes, lane l at position pos[l], cs the (P, half, 2) table."""
+    rt = _rt(rt)
+    x, cs = _f32(x), _f32(cs)
+    L, R, D = x.shape
+    with _Scope(rt) as s:
+        y = s.out(x.shape)
+        launch_norm_rope(rt, s.up(x), None if w is None else s.up(_f32(w)), y, L, R, D, eps,
+                         s.up(np.asarray(pos, I32)), s.up(cs), cs.shape[1], inverse, fp8)
+        return s.get(y, x.shape)
+
+
 # ---------------------------------------------------------------------------
 # FP8 / FP4 numerics
 # ---------------------------------------------------------------------------
 
 
-def fp8sim(v, n_rot, rt=None):
-    rt = _rt(rt)
-    v = _f32(v)
-    D = v.shape[-1]
-    _need((D - n_rot) % 64 == 0, f"fp8sim: non-RoPE dims {D - n_rot} must be a multiple of 64")
-    R = v.size // D
-    with _Scope(rt) as s:
-        out = s.out(v.shape)
-        rt.launch(kernel(rt, "quant", "ds4_fp8sim"), (max(R, 1),), (256,), (s.up(v), out, I32(R), I32(D), I32(n_rot)))
-        return s.get(out, v.shape)
-
-
-def hadamard_rotate(v, h, rt=None):
-    """v @ h.T, summed in index order."""
-    rt = _rt(rt)
-    v, h = _f32(v), _f32(h)
-    n = v.shape[-1]
-    _need(h.shape == (n, n), f"hadamard_rotate: h is {h.shape}, expected ({n}, {n})")
-    R = v.size // n
-    with _Scope(rt) as s:
-        out = s.out(v.shape)
-        rt.launch(kernel(rt, "quant", "ds4_hadamard_rows"), (_blocks(R * n, 256),), (256,),
-                  (s.up(v), s.up(np.ascontiguousarray(h.T)), out, I32(R), I32(n), None, I32(1)))
-        return s.get(out, v.shape)
-
-
-def e2m1_blocks(r, rt=None):
-    """FP4 E2M1 block quantisation (blocks of 32) of already rotated values."""
-    rt = _rt(rt)
-    r = _f32(r)
-    _need(r.shape[-1] % 32 == 0, f"e2m1_blocks: last dim {r.shape[-1]} must be a multiple of 32")
-    nb = r.size // 32
-    with _Scope(rt) as s:
-        out = s.out(r.shape)
-        rt.launch(kernel(rt, "quant", "ds4_e2m1_blocks"), (_blocks(nb, 8),), (256,), (s.up(r), out, np.int64(nb)))
-        return s.get(out, r.shape)
+def launch_qat(rt, v: DeviceBuffer, ht: DeviceBuffer, out: DeviceBuffer, rows: int, n: int,
+               lane_slot=None, rows_per_lane: int = 1) -> None:
+    """out <- the indexer's QAT of rows of n: the Hadamard rotation (ht: the table transposed),
+    then FP4 E2M1 in blocks of 32."""
+    _need(n % 32 == 0, f"qat: row length {n} must be a multiple of 32")
+    rt.launch(kernel(rt, "quant", "ds4_qat_rows"), (_blocks(rows * n, 256),), (256,),
+              (v, ht, out, I32(rows), I32(n), lane_slot, I32(rows_per_lane)))
 
 
 def qat(v, h, rt=None):
-    return e2m1_blocks(hadamard_rotate(v, h, rt), rt)
+    """Twin of ref.qat: v @ h.T summed in index order, then E2M1 blocks of 32."""
+    rt = _rt(rt)
+    v, h = _f32(v), _f32(h)
+    n = v.shape[-1]
+    _need(h.shape == (n, n), f"qat: h is {h.shape}, expected ({n}, {n})")
+    with _Scope(rt) as s:
+        out = s.out(v.shape)
+        launch_qat(rt, s.up(v), s.up(np.ascontiguousarray(h.T)), out, v.size // n, n)
+        return s.get(out, v.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -310,9 +315,10 @@ def lane_groups(L: int) -> int:
 
 
 def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int, *, groups: int = 1,
-                  ldx: int | None = None, xg: int = 0, ldy: int | None = None,
+                  ldx: int | None = None, xg: int = 0, ldy: int | None = None, gs: int | None = None,
                   lane_slot: DeviceBuffer | None = None, part: DeviceBuffer | None = None) -> None:
-    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L, N = rows / groups.
+    """y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K] for l < L, N = rows / groups
+    (gs = N by default: the groups side by side in each lane's row).
 
     Any L, in lane groups of 16 (a prompt pass). `lane_slot` (int32[L] slot ids, -1 =
     padding after the rows) limits the work to lanes up to the last one with a slot (later
@@ -327,10 +333,8 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
     if ks and part is not None:
         nsplit = -(-w.cols // ks)
         _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
-        rpw = 1
-        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}_ks"),
-                  (_blocks(n, 8 * rpw), nlg, nsplit),
-                  (256,), (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
+        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r1_ks"), (_blocks(n, 8), nlg, nsplit), (256,),
+                  (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
         rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(nlg * MAX_LANES * n, 256),), (256,),
                   (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
         return
@@ -338,7 +342,8 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
     if w.wtype in K_QUANTS:
         rpw = min(rpw, 2)  # r1 and r2 are built for the K-quants and MXFP4
     rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups, nlg),
-              (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy), lane_slot))
+              (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy),
+                       np.int64(n if gs is None else gs), lane_slot))
 
 
 # K-split: few-row, long-row matrices (hc projections 24 x 16384, router, indexer
@@ -492,10 +497,10 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
 
 
 def view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
-    """A non-owning DeviceBuffer at buf + offset: never free it, free `buf`."""
+    """A non-owning DeviceBuffer at buf + offset (its free() does nothing): free `buf`."""
     if offset + nbytes > buf.nbytes:
         raise ValueError(f"view of {nbytes} B at {offset} exceeds {buf}")
-    return DeviceBuffer(buf.rt, buf.ptr + offset, nbytes)
+    return DeviceBuffer(buf.rt, buf.ptr + offset, nbytes, owned=False)
 
 
 def launch_add_rows(rt, a: DeviceBuffer, b: DeviceBuffer, out: DeviceBuffer, L: int, hc: int, d: int) -> None:
@@ -560,13 +565,28 @@ def _stored(rows, kind: int, n_rot: int) -> np.ndarray:
     return encode_kv_rows(rows, n_rot) if kind == ROW_KV else encode_index_rows(rows)
 
 
+def launch_attention_combine(rt, m, den, acc, sinks, slot, pos, store, nvis, sel, ksel: int, W: int, H: int,
+                             D: int, nz: int, out, L: int, rope=None, half: int = 0, q8: "Q8Rows | None" = None):
+    """out <- each (head, lane)'s slices merged in order with the sink; with rope (the (P, half, 2)
+    table) the last 2 * half dims inverse-RoPE'd at the lane's position; with q8 the rows (H * D
+    wide) quantised into it as well, for the output product."""
+    _need(rope is not None or not half, "attention combine: RoPE dims without a table")
+    _need(q8 is None or D % 32 == 0, f"attention combine: head dim {D} is not a multiple of 32")
+    _need(q8 is None or L * H * D <= q8.capacity, f"attention combine: {L} x {H * D} exceeds the int8 scratch")
+    rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (AT_CT,),
+              (m, den, acc, sinks, slot, pos, store, nvis, sel, I32(ksel), I32(W), I32(H), I32(D), I32(nz), out,
+               rope, I32(half), *((q8.xq, q8.dx, q8.xs) if q8 is not None else (None, None, None))))
+
+
 def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks, kind=ROW_F32, n_rot=0,
-                    rt=None):
+                    rope=None, q8=False, rt=None):
     """The backend's attention (step_attention_split + step_attention_combine): q (L, H, D); this
     pass's KV rows pass_kv (L, D); the window ring (slots, W, D); the compressed rows (pages,
     per, D) or None; sel (L, ksel) the indexer's rows (ascending, -1 padded) or None = all
     visible rows. Each lane attends to its raw positions max(0, pos-W+1)..pos (the pass's rows
-    from pstart on, the ring's before), then its compressed rows -> (L, H, D); padding lanes 0."""
+    from pstart on, the ring's before), then its compressed rows -> (L, H, D); padding lanes 0.
+    The combine's epilogue: rope, a (P, half, 2) table, inverse-rotates each head's last 2 * half
+    dims at the lane's position; q8 also returns the rows' int8 codes and block scales."""
     rt = _rt(rt)
     q, sinks = _f32(q), _f32(sinks)
     L, H, D = q.shape
@@ -588,10 +608,16 @@ def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks
                    st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
                    lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
                    F32(1.0 / math.sqrt(D)), m, den, acc))
-        rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (AT_CT,),
-                  (m, den, acc, s.up(sinks), lane["slot"], lane["pos"], st, lane["nvis"], sl, I32(ksel), I32(W),
-                   I32(H), I32(D), I32(nz), out))
-        return s.get(out, (L, H, D))
+        qr = Q8Rows.alloc(rt, L * H * D) if q8 else None
+        try:
+            launch_attention_combine(rt, m, den, acc, s.up(sinks), lane["slot"], lane["pos"], st, lane["nvis"], sl,
+                                     ksel, W, H, D, nz, out, L, None if rope is None else s.up(_f32(rope)),
+                                     0 if rope is None else np.shape(rope)[1], qr)
+            o = s.get(out, (L, H, D))
+            return (o, *qr.get(rt, L, H * D)) if q8 else o
+        finally:
+            if qr is not None:
+                qr.free()
 
 
 def indexer_paged(qi, wraw, scale, store, lanes: PagedLanes, ncap, kind=ROW_F32, rt=None):
@@ -968,9 +994,9 @@ def qmatvec_rows_per_warp(rows: int) -> int:
 
 
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
-                   Wx: int | None = None, xg: int = 0, ldy: int | None = None,
+                   Wx: int | None = None, xg: int = 0, ldy: int | None = None, gs: int | None = None,
                    lane_slot: DeviceBuffer | None = None, gemm: bool = True) -> None:
-    """y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K] with x quantised in q (rows Wx wide);
+    """y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K] (gs = N by default) with x quantised in q (rows Wx wide);
     past MMA_ROWS rows the tiled GEMM (qgemm.hip) unless gemm is off (the decode kernel, for
     timing them side by side)."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
@@ -982,7 +1008,8 @@ def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, g
         r = qmatvec_rows_per_warp(n)
         grid, fn = (_blocks(n, 8 * r), groups, lane_groups(L)), kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}")
     rt.launch(fn, grid, (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
-                                 I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows), lane_slot))
+                                 I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows),
+                                 np.int64(n if gs is None else gs), lane_slot))
 
 
 def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
@@ -1011,6 +1038,38 @@ def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = True):
     finally:
         dw.buf.free()
         q.free()
+
+
+def joint_matvec(ws, x, wtype: str, rt=None):
+    """The backend's one launch for matrices of one shape that read the same x (_mv_joint): ws a
+    list of G weights (float values, or GGUF rows for the quantised types), x (L, K) -> G
+    outputs (L, N), each written apart from the others (gs past the lanes' rows). Twin of
+    [linear(x, w) for w in ws] (canon.qlinear's for the quantised types)."""
+    rt = _rt(rt)
+    x = _f32(np.atleast_2d(x))
+    L, K = x.shape
+    G = len(ws)
+    quant = wtype in QUANT_WTYPES
+    rows = np.concatenate([np.asarray(w) for w in ws], axis=0)
+    dw = (DeviceWeight(rt.upload(pack_qrows(wtype, rows)), wtype, rows.shape[0], weight_cols(rows, wtype), packed=True)
+          if quant else DeviceWeight.upload(rt, rows, wtype))
+    N = dw.rows // G
+    _need(K == dw.cols, f"joint_matvec: x has {K} columns, W has {dw.cols}")
+    _need(not matvec_ksplit(N, K), f"joint_matvec: {N} x {K} is K-split, so it runs alone")
+    q = Q8Rows.alloc(rt, L * K) if quant else None
+    try:
+        with _Scope(rt) as s:
+            y = s.out((G, L, N))  # output g at g * L * N
+            if quant:
+                launch_quantize_q8(rt, s.up(x), q, L, K)
+                launch_qmatvec(rt, dw, q, y, L, groups=G, ldy=N, gs=L * N)
+            else:
+                launch_matvec(rt, dw, s.up(x), y, L, groups=G, ldy=N, gs=L * N)
+            return tuple(s.get(y, (G, L, N)))
+    finally:
+        dw.buf.free()
+        if q is not None:
+            q.free()
 
 
 def quantize_q8(x, rt=None):

@@ -76,6 +76,14 @@ def _q8_sizes(prefix: str, width: int) -> dict[str, int]:
     return {f"{prefix}_codes": max(w // 4, 1), f"{prefix}_scales": max(w // 32, 1), f"{prefix}_sums": max(w // 32, 1)}
 
 
+# Outputs of matrices that share their input and run as one launch (HipBackend._mv_joint): each
+# pair is one allocation, the second name a view of its second half.
+JOINT_OUTPUTS = (("ckv", "csc"), ("ikv", "isc"), ("sg", "su"))
+JOINT_WEIGHTS = (("attn_compressor_kv.weight", "attn_compressor_gate.weight"),
+                 ("indexer_compressor_kv.weight", "indexer_compressor_gate.weight"),
+                 ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"))
+
+
 def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
                     quantised_products: bool = False) -> dict[str, int]:
     """int32/float32 elements per lane of every workspace buffer of a max_pass_rows-lane pass at this
@@ -93,8 +101,8 @@ def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
         "kv_raw": D, "kv": D, "kv8": D,
         "ckv": 2 * D, "csc": 2 * D, "ikv": 2 * Di, "isc": 2 * Di,
         "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
-        "crow3": wmax, "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
-        "qi": c.indexer_heads * Di, "qi_h": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
+        "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
+        "qi": c.indexer_heads * Di, "qi_q": c.indexer_heads * Di,
         "wraw": c.indexer_heads, "scores": ncap4,
         "o": c.n_head * D, "z": c.o_groups * c.o_lora_rank, "y": d,
         "xn": d, "rlog": c.n_expert, "rw": kk, "eg": kk * c.expert_ff, "eu": kk * c.expert_ff,

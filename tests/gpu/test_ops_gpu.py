@@ -162,7 +162,7 @@ def test_attention_batch_invariance(rt):
     16 (ring, pass rows and 200 selected compressed rows), and the reference's."""
     from ds4ref.hip.op_cases import make_attention, ref_attention_paged
     args = make_attention(3, 16, 64, 512, 128, "selected", g.ROW_F32)[0]
-    q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot = args
+    q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot, _rope, _q8 = args
     among = g.attention_paged(*args, rt=rt)
     assert same_bits(among, ref_attention_paged(*args))
     for l in np.flatnonzero(lanes.slot >= 0)[[0, -1]]:

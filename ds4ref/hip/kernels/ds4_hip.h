@@ -174,6 +174,17 @@ __device__ __forceinline__ float ds4_pow2_ceil(float y) {
     return ldexpf(1.0f, e);
 }
 
+// FP8 E4M3 round trip of one block of 64 held by a warp, element lane in x0 and lane + 32 in x1
+// (reference ops.fp8sim's block): the scale is the power of two at or above amax / 448.
+__device__ __forceinline__ float2 ds4_e4m3_block64(float x0, float x1) {
+    float amax = ds4_warp_max(fmaxf(fabsf(x0), fabsf(x1)));
+    amax = fmaxf(amax, 1e-4f);
+    float s = ds4_pow2_ceil(amax / 448.0f);
+    float q0 = fminf(fmaxf(x0 / s, -448.0f), 448.0f);
+    float q1 = fminf(fmaxf(x1 / s, -448.0f), 448.0f);
+    return make_float2(ds4_round_to_grid(q0, -6, 3) * s, ds4_round_to_grid(q1, -6, 3) * s);
+}
+
 // ---- the canonical exp / log1p (reference/canon.py, docs/exactness.md) -----
 // Built only from correctly rounded + - * /, so NumPy and both GPU vendors give the
 // same bits. Kernels are compiled with contraction off (runtime.py), so no

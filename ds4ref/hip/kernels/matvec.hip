@@ -53,10 +53,12 @@ __device__ __forceinline__ int mv3_group_active(int L, const int* lane_slot, int
     return mv3_active(n, lane_slot ? lane_slot + l0 : lane_slot);
 }
 
-// y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K]. Grid (ceil(N / (8R)), groups, lane groups).
+// y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K]. Grid (ceil(N / (8R)), groups, lane groups).
+// gs = N lays the groups side by side in a row (the grouped output projection); gs past the
+// lanes' rows gives each group an output of its own (matrices that share an input: one launch).
 template <int WT, int R, int U>
 __device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,
-                         int ldy, const int* lane_slot) {
+                         int ldy, long long gs, const int* lane_slot) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[MV_LANES];
     __shared__ long long ybase[MV_LANES];
@@ -66,7 +68,7 @@ __device__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K
     int g = blockIdx.y;
     if (threadIdx.x < na) {
         xrow[threadIdx.x] = x + (long long)(l0 + threadIdx.x) * ldx + (long long)g * xg;
-        ybase[threadIdx.x] = (long long)(l0 + threadIdx.x) * ldy + (long long)g * N;
+        ybase[threadIdx.x] = (long long)(l0 + threadIdx.x) * ldy + g * gs;
     }
     long long rb = mv3_row_bytes(WT, K);
     mv3_rows<WT, R, U>(W + (long long)g * N * rb, rb, N, 0, K, na, xrow, ybase, y, xs4, blockIdx.x);
@@ -109,8 +111,8 @@ extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, floa
 #define DS4_MATVEC3(NAME, WT, R, U)                                                                \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
         NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,     \
-             int ldy, const int* lane_slot) {                                                      \
-        mv3_body<WT, R, U>(W, x, y, N, K, L, ldx, xg, ldy, lane_slot);                             \
+             int ldy, long long gs, const int* lane_slot) {                                        \
+        mv3_body<WT, R, U>(W, x, y, N, K, L, ldx, xg, ldy, gs, lane_slot);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
         NAME##_ks(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,     \

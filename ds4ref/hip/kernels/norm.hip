@@ -53,3 +53,43 @@ extern "C" __global__ void ds4_rmsnorm_q8(const float* __restrict__ x, const flo
     yr[c] = v;
     ds4_q8_warp(v, xq + n * D + (long long)b * QB, dx + n * (D / QB) + b, xs + n * (D / 16) + 2 * b);
 }
+
+// ds4_rmsnorm, then step_rope_pos on the row's last 2 * half dims (the lane's position
+// pos[row / rows_per_lane], cs as step_rope_pos reads it) and, with fp8, the FP8 E4M3 round
+// trip of the others in blocks of 64 (reference ops.fp8sim): one launch where there were three.
+// Every element goes through those operations in their order, so the bits are theirs (op case
+// norm_rope); padding lanes' rows are skipped, as ds4_rmsnorm skips them. One block of 256
+// threads a row (rms_den's order).
+extern "C" __global__ void ds4_norm_rope(const float* __restrict__ x, const float* __restrict__ w,
+                                         float* __restrict__ y, int D, float eps, const int* lane_slot,
+                                         int rows_per_lane, const int* pos, const float* cs, int half,
+                                         int inverse, int fp8) {
+    __shared__ float scratch[32];
+    int l = blockIdx.x / rows_per_lane;
+    if (lane_slot && lane_slot[l] < 0) return;
+    const float* xr = x + (long long)blockIdx.x * D;
+    float* yr = y + (long long)blockIdx.x * D;
+    float den = rms_den(xr, D, eps, scratch);
+    auto norm = [&](int i) {
+        float v = xr[i] / den;
+        return w ? w[i] * v : v;
+    };
+    int nope = D - 2 * half;
+    if (fp8) {
+        int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP, nwarps = blockDim.x / DS4_WARP;
+        for (int b = warp; b < nope / 64; b += nwarps) {
+            float2 q = ds4_e4m3_block64(norm(b * 64 + lane), norm(b * 64 + 32 + lane));
+            yr[b * 64 + lane] = q.x;
+            yr[b * 64 + 32 + lane] = q.y;
+        }
+    } else {
+        for (int i = threadIdx.x; i < nope; i += blockDim.x) yr[i] = norm(i);
+    }
+    const float* t = cs + (long long)pos[l] * half * 2;
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float a = norm(nope + 2 * p), b = norm(nope + 2 * p + 1);
+        float c = t[2 * p], s = inverse ? -t[2 * p + 1] : t[2 * p + 1];
+        yr[nope + 2 * p] = a * c - b * s;
+        yr[nope + 2 * p + 1] = a * s + b * c;
+    }
+}

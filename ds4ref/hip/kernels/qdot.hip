@@ -151,11 +151,11 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
     mv3_store_sums<R>(acc, na, row0, N, ybase, y);
 }
 
-// Dense: y[l, g*N + r] = W[g*N + r] . x[l, g*xg : g*xg + K], x quantised with rows W columns
-// wide (xq row l at l*W). Grid (ceil(N / (8R)), groups, lane groups of 16).
+// Dense: y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K], x quantised with rows W columns
+// wide (xq row l at l*W). Grid (ceil(N / (8R)), groups, lane groups of 16); gs as matvec.hip's.
 template <int WT, int R>
 __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
-                        float* y, int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
     __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];
     __shared__ long long xoff[MV_LANES], doff[MV_LANES], soff[MV_LANES], ybase[MV_LANES];
     __shared__ Iq2Tables iq2[1];  // unused (and dropped) for the other types
@@ -170,7 +170,7 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         xoff[threadIdx.x] = l * Wx + (long long)g * xg;
         doff[threadIdx.x] = (l * Wx + (long long)g * xg) / QB;
         soff[threadIdx.x] = (l * Wx + (long long)g * xg) / 16;
-        ybase[threadIdx.x] = l * ldy + (long long)g * N;
+        ybase[threadIdx.x] = l * ldy + g * gs;
     }
     mq_rows<WT, R>(W + (long long)g * N * rb, rb, N, K, na, xq, dx, xs, xoff, doff, soff, ybase, y, smem,
                    blockIdx.x, iq2, false);
@@ -179,8 +179,8 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
 #define DS4_QMATVEC(NAME, WT, R)                                                                      \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, MQ_MIN_BLOCKS)                              \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
-             int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {                       \
-        mq_body<WT, R>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                          \
+             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
+        mq_body<WT, R>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                      \
     }
 
 DS4_QMATVEC(ds4_qmatvec_q8_0_r1, WT_Q8_0, 1)

@@ -162,7 +162,7 @@ __device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2
 
 template <int WT>
 __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
-                        float* y, int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
     __shared__ __align__(16) QgStage st;
     __shared__ Iq2Tables iq2[1];
     if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
@@ -205,15 +205,15 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         for (int e = 0; e < 4; ++e) {
             int r = 16 * wr + c.g + 8 * (e / 2), o = o0 + 32 * wc + 8 * ni + 2 * c.t + e % 2;
             if (o < N && r % 16 < na)
-                y[(long long)(l0 + r) * ldy + (long long)grp * N + o] = stack[0][ni][e];
+                y[(long long)(l0 + r) * ldy + grp * gs + o] = stack[0][ni][e];
         }
 }
 
 #define DS4_QGEMM(NAME, WT)                                                                           \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 1)                             \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
-             int N, int K, int L, int Wx, int xg, int ldy, const int* lane_slot) {                       \
-        qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, lane_slot);                             \
+             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
+        qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                         \
     }
 
 // Each start compiles only the types it launches (ops.launch_qmatvec passes -DQG_BUILD=<WT_*>): the

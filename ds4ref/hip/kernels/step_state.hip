@@ -17,6 +17,7 @@
 //   last    position of the slot's last lane in this pass
 //   nvis    compressed rows visible to the lane for a given ratio: (pos + 1) / ratio
 #include "ds4_hip.h"
+#include "ds4_q8.h"
 
 // ---- stored rows: float32, or the compact lossless form of official numerics ----
 // docs/paging.md defines the bytes (ds4ref/paging/compact.py is the host side):
@@ -526,6 +527,10 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
 // A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
 // at a time (every thread forming every weight took half the kernel's time), and every sum
 // still runs in z order. Padding lanes write zeros, as step_attention does.
+// Then the output's own epilogue, each the operations of the kernel it replaces: with half > 0
+// the inverse RoPE of the head's last 2 * half dims at the lane's position (step_rope_pos;
+// pair partners are neighbouring threads), and with xq the row's int8 blocks for the quantised
+// product that reads it (ds4_quantize_q8; D % 32 == 0, so a block is one warp at one q).
 #define AT_CT 128
 #ifndef AT_CZ
 #define AT_CZ AT_CT  // a tuning macro <= AT_CT (tests set a small one to cross chunks on short contexts)
@@ -536,7 +541,8 @@ step_attention_combine(const float* __restrict__ part_m, const float* __restrict
                        const float* __restrict__ part_acc, const float* __restrict__ sinks,
                        const int* slot, const int* pos, const ds4_u8* store,
                        const int* nvis, const int* sel, int ksel, int W, int H, int D,
-                       int nz, float* __restrict__ out) {
+                       int nz, float* __restrict__ out, const float* cs, int half,
+                       ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
     __shared__ float wz[AT_CZ];
     int h = blockIdx.x, l = blockIdx.y;
     int s = slot[l];
@@ -544,13 +550,10 @@ step_attention_combine(const float* __restrict__ part_m, const float* __restrict
     int total = at_lane_keys(s, pos[l], W, store, nvis, sel, ksel, l, &lo, &nraw);
     int nsl = (total + AT3_SPLIT - 1) / AT3_SPLIT;
     float* o = out + ((long long)l * H + h) * D;
-    if (s < 0) {
-        for (int d = threadIdx.x; d < D; d += AT_CT) o[d] = 0.0f;
-        return;
-    }
     long long base = ((long long)l * H + h) * nz;
     float sk = sinks[h];
     float mf = sk;
+    if (s < 0) nsl = 0;
     for (int z = 0; z < nsl; ++z) mf = fmaxf(mf, part_m[base + z]);
     float dtot = ds4_exp(sk - mf);
     float a[AT_DMAX / AT_CT];
@@ -569,9 +572,23 @@ step_attention_combine(const float* __restrict__ part_m, const float* __restrict
                 for (int j = 0; j < nc; ++j) a[q] += part_acc[(base + z0 + j) * D + d] * wz[j];
         }
     }
+    int nope = D - 2 * half, warp = threadIdx.x / DS4_WARP;
+    const float* t = half ? cs + (long long)pos[l] * half * 2 : nullptr;
 #pragma unroll
     for (int q = 0; q < AT_DMAX / AT_CT; ++q) {
         int d = threadIdx.x + AT_CT * q;
-        if (d < D) o[d] = a[q] / dtot;
+        float v = s < 0 ? 0.0f : a[q] / dtot;
+        float pv = DS4_SHFL_XOR(v, 1);  // the RoPE pair's other value (nope and AT_CT are even)
+        if (half && d >= nope && d < D) {
+            int p = (d - nope) / 2;
+            float c = t[2 * p], sn = -t[2 * p + 1];
+            v = d % 2 == 0 ? v * c - pv * sn : pv * sn + v * c;
+        }
+        if (d < D) o[d] = v;
+        int c0 = AT_CT * q + DS4_WARP * warp;  // the warp's block: columns c0 .. c0 + 31 of the head
+        if (xq && c0 < D) {
+            long long at = (long long)l * H * D + (long long)h * D + c0;
+            ds4_q8_warp(v, xq + at, dx + at / QB, xs + at / 16);
+        }
     }
 }
