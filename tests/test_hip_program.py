@@ -276,3 +276,88 @@ def test_copy_page_copies_one_page_of_every_store(compact):
         np.testing.assert_array_equal(after, want)
     with pytest.raises(ValueError):
         st.copy_page(2, 6)
+
+
+class HostBytesRuntime:
+    """Device memory as one host bytearray: malloc hands out addresses in it, copies move bytes,
+    free records what it was given (only allocations, each once)."""
+
+    def __init__(self, size: int = 1 << 16):
+        self.mem, self.top, self.live, self.freed = bytearray(size), 64, set(), []
+
+    def malloc(self, n):
+        ptr, self.top = self.top, self.top + -(-n // 64) * 64
+        self.live.add(ptr)
+        return DeviceBuffer(self, ptr, n)
+
+    def upload(self, arr):
+        raw = np.ascontiguousarray(arr).tobytes()
+        buf = self.malloc(len(raw))
+        self.mem[buf.ptr:buf.ptr + len(raw)] = raw
+        return buf
+
+    def d2d(self, dst, src, n):
+        self.mem[dst.ptr:dst.ptr + n] = self.mem[src.ptr:src.ptr + n]
+
+    def free(self, buf):
+        assert buf.ptr in self.live, f"free of {buf.ptr}, which is no live allocation"
+        self.live.remove(buf.ptr)
+        self.freed.append(buf.ptr)
+
+    def bytes(self, buf):
+        return bytes(self.mem[buf.ptr:buf.ptr + buf.nbytes])
+
+
+def test_join_lays_matrices_end_to_end_and_frees_each_buffer_once():
+    """DeviceWeights.join: one buffer holding the matrices' bytes in order, each name a view of
+    its part (so _mv_joint's grouped launch reads matrix g at g * rows); matrices of another shape
+    or encoding are refused and left where they were; free() releases the joint buffer once and no
+    view, and join freed the originals."""
+    rt = HostBytesRuntime()
+    dw = DeviceWeights(rt, tiny_config())
+    rng = np.random.default_rng(0)
+    mats = {n: rng.standard_normal(s).astype(np.float16) for n, s in
+            (("a", (8, 32)), ("b", (8, 32)), ("c", (16, 32)))}
+    for n, m in mats.items():
+        dw._put_mat(n, m, "f16", m.shape)
+    before = {n: dw.mats[n].buf.ptr for n in mats}
+    assert not dw.join(["a", "c"]) and not dw.join(["a", "missing"])
+    assert {n: dw.mats[n].buf.ptr for n in mats} == before and dw.joint(["a", "c"]) is None
+    assert dw.join(["a", "b"]) and dw.join(["a", "b"])  # a second call finds it joined
+    joint = dw.joint(["a", "b"])
+    assert (joint.rows, joint.cols, joint.wtype) == (16, 32, "f16")
+    assert rt.bytes(joint.buf) == mats["a"].tobytes() + mats["b"].tobytes()
+    assert dw.mats["a"].buf.ptr == joint.buf.ptr and dw.mats["b"].buf.ptr == joint.buf.ptr + mats["a"].nbytes
+    assert rt.bytes(dw.mats["b"].buf) == mats["b"].tobytes()
+    assert sorted(rt.freed) == sorted([before["a"], before["b"]])
+    dw.free()
+    assert sorted(rt.freed) == sorted([before["a"], before["b"], before["c"], joint.buf.ptr]) and not rt.live
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
+    """Each joined pair (DeviceWeights.join) is one grouped launch a pass, whose second output
+    starts where JOINT_OUTPUTS puts it: the group stride gs is the first output's whole buffer."""
+    from ds4ref.hip.workspace import JOINT_OUTPUTS, workspace_sizes
+    rt = RecordingRuntime()
+    cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
+    dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
+    model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend.configure(4, 64)
+    st, L = backend.state, backend.max_pass_rows
+    sizes = workspace_sizes(cfg, L, st.maxp, st.page_tokens, backend.quantised_products)
+    strides = {L * sizes[a] for a, _ in JOINT_OUTPUTS}
+    assert dw.joints
+    for program in backend.programs.values():
+        joint = []
+        for k, grid, _block, args, _shared in program.ops:
+            if k.name.startswith("ds4_matvec3_") and not k.name.endswith(("_ks", "_ksum")):
+                n, gs = int(args[3]), int(args[9])
+            elif k.name.startswith(("ds4_qmatvec_", "ds4_qgemm_")):
+                n, gs = int(args[6]), int(args[12])
+            else:
+                continue
+            if gs != n:
+                joint.append(gs)
+        assert len(joint) == len(dw.joints) and set(joint) <= strides

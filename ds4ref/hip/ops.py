@@ -996,9 +996,9 @@ def qmatvec_rows_per_warp(rows: int) -> int:
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
                    Wx: int | None = None, xg: int = 0, ldy: int | None = None, gs: int | None = None,
                    lane_slot: DeviceBuffer | None = None, gemm: bool = True) -> None:
-    """y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K] (gs = N by default) with x quantised in q (rows Wx wide);
-    past MMA_ROWS rows the tiled GEMM (qgemm.hip) unless gemm is off (the decode kernel, for
-    timing them side by side)."""
+    """y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K] (gs = N by default) with x quantised
+    in q (rows Wx wide); past MMA_ROWS rows the tiled GEMM (qgemm.hip) unless gemm is off (the
+    decode kernel, for timing them side by side)."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
     if L > MMA_ROWS and gemm:
