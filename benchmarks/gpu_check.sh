@@ -129,7 +129,8 @@ fi
 if has spec; then
   stage "speculative decoding against acceptance, oracle drafts (Flash, 43 layers, q2 policy; K = 3)"
   timeout ${SPEC_TIMEOUT:-300} python3 -m ds4ref.cli.bench --speculative-tokens 3 --synthetic full --concurrency 1,4,16 \
-    --draft oracle:0 --draft oracle:0.5 --draft oracle:0.7 --draft oracle:1 --no-auto-off 2>&1 | tee "$OUT/spec.log" || rc=1
+    --draft oracle:0 --draft oracle:0.5 --draft oracle:0.7 --draft oracle:1 --draft mtp --no-auto-off 2>&1 \
+    | tee "$OUT/spec.log" || rc=1
 fi
 stage "done rc=$rc"
 exit $rc

@@ -145,3 +145,33 @@ def test_without_mtp_there_is_no_draft(model, rt):
     b.configure(2, 8)
     sid = b.save_state(0)
     b.drop_state(sid)
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_random_policy_mtp_block_records_beside_its_model(rt, numerics):  # noqa: F811 - the fixture
+    """hip.synthetic's MTP block for the device benchmarks (DeviceWeights.random_policy_mtp): every
+    tensor of the block under from_mtp's names, its routed experts in the policy's types, the
+    embedding and output projection borrowed from the main model; HipBackend records its passes."""
+    import types
+    from ds4ref.gguf.mtp import mtp_config
+    from ds4ref.gguf.tiny import POLICY_DIMS, tiny_config
+    from ds4ref.hip.device_weights import MTP_BORROWED, DeviceWeights
+    from ds4ref.reference.layers import Tables
+    cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
+    q = numerics == "official"
+    dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=q)
+    mcfg = mtp_config(cfg)
+    mdw = DeviceWeights.random_policy_mtp(rt, dw, mcfg, "q2", quantised_products=q)
+    assert set(mdw.mats) | set(mdw.vecs) == set(mtp_device_names(mcfg)) | set(MTP_BORROWED)
+    assert all(mdw.tensor(n) is dw.tensor(n) for n in MTP_BORROWED) and mdw.borrowed == set(MTP_BORROWED)
+    assert (mdw.tensor("blk.0.ffn_gate_exps.weight").wtype, mdw.tensor("blk.0.ffn_down_exps.weight").wtype) == \
+        ("iq2_xxs", "q2_k")
+    assert mdw.tensor("mtp.0.e_proj.weight").wtype == "q8_0" and mdw.tensor("mtp.0.e_proj.weight").packed == q
+    model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
+    b = HipBackend(model, runtime=rt, device_weights=dw, mtp=types.SimpleNamespace(config=mcfg, weights=None),
+                   mtp_device_weights=mdw)
+    b.configure(4, 16)
+    assert sorted(b.mtp.programs) == list(b.buckets)
+    for program in b.mtp.programs.values():
+        for kernel, _grid, _block, args, _shared in program.ops:
+            kernel.signature.check(args)

@@ -13,7 +13,9 @@ per pass (the MTP block's own cost with `mtp`), sequences that turned speculatio
 
 Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
 numpy|hip, or --synthetic 8layer|full (hip/synthetic.py's random Flash-shaped models
-on the GPU: the 8-layer bf16 one, or 43 layers in the q2 policy; oracle drafts only).
+on the GPU: the 8-layer bf16 one (oracle drafts only), or 43 layers in the q2 policy with a random
+MTP block, whose drafts are almost never accepted but cost what real ones do: with `mtp`, `draft
+ms/pass` is the block's own cost at Flash's widths).
 """
 from __future__ import annotations
 
@@ -80,13 +82,16 @@ def decode_run(model, backend: str, reqs: list[Request], C: int, k: int = 0, mak
 
 
 def synthetic(which: str):
-    """A model stand-in over hip.synthetic's random device weights."""
+    """A model stand-in over hip.synthetic's random device weights; `full` with a random MTP block
+    (its drafts are almost never accepted, but they cost what real ones do)."""
     from ..hip.backend import HipBackend
-    from ..hip.synthetic import make_model
+    from ..hip.synthetic import make_model, make_mtp
     rt, cfg, dw, ref, what = make_model(which == "full")
-    print(what, flush=True)
-    backend = HipBackend(ref, runtime=rt, device_weights=dw)  # each run's configure() releases the last's state
-    return SimpleNamespace(config=cfg, mtp=None, make_backend=lambda name=None: backend)
+    mtp, mdw = make_mtp(rt, cfg, dw) if which == "full" else (None, None)
+    print(what + (", with a random MTP block" if mtp else ""), flush=True)
+    # each run's configure() releases the last's state
+    backend = HipBackend(ref, runtime=rt, device_weights=dw, mtp=mtp, mtp_device_weights=mdw)
+    return SimpleNamespace(config=cfg, mtp=mtp, make_backend=lambda name=None: backend)
 
 
 def parse_draft(text: str):
@@ -109,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mtp", default=None, help="separate MTP GGUF for --model")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
     p.add_argument("--synthetic", choices=("8layer", "full"), default=None,
-                   help="hip/synthetic.py's random Flash-shaped model on the GPU (oracle drafts only)")
+                   help="hip/synthetic.py's random Flash-shaped model on the GPU (full: with a random MTP block)")
     p.add_argument("--prompt-tokens", type=int, default=24, help="prompt length (ragged +-50%%)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--no-auto-off", action="store_true", help="keep drafting whatever the acceptance")

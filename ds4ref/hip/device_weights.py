@@ -222,20 +222,49 @@ class DeviceWeights:
         per (tensor kind, width), at most `template_bytes`, with the std the tiny model's init
         gives; each tensor is tiled from it on the device, row i taking a hashed template row
         (block quants in ops.pack_qrows' layout when `quantised_products`)."""
-        from ..gguf.tiny import POLICIES, _EXPERTS, _random_tensor, tiny_dtypes
+        from ..gguf.tiny import tiny_dtypes
         self = cls(rt, config)
-        tile = rt.compile_file("step_ops.hip").kernel("step_tile_rows")
         dtypes = tiny_dtypes(config)
+        tensors = [(name, name.split(".", 2)[-1] if name.startswith("blk.") else name, shape, dtypes.get(name, "f32"))
+                   for name, shape in tensor_shapes(config).items()]
+        self._tile_random(config, tensors, policy, seed, template_bytes, quantised_products)
+        return self
+
+    @classmethod
+    def random_policy_mtp(cls, rt, main: "DeviceWeights", mcfg, policy: str = "q2", seed: int = 0,
+                          template_bytes: int = 8 << 20, quantised_products: bool = False) -> "DeviceWeights":
+        """A random MTP block beside random_policy's model (from_mtp's names; the embedding and the
+        output projection are `main`'s): its layer in the policy's types as a main layer, e_proj
+        and h_proj Q8_0 and the hc head F16, as gguf.tiny.random_mtp stores them."""
+        from ..gguf.mtp import PREFIX, mtp_tensor_shapes
+        from ..gguf.tiny import _DTYPE_BY_SUFFIX
+        self = cls(rt, mcfg)
+        shapes = mtp_tensor_shapes(mcfg)
+        extra = {"e_proj.weight": "q8_0", "h_proj.weight": "q8_0", "hc_head_fn.weight": "f16"}
+        tensors = []
+        for dev, ours in mtp_device_names(mcfg).items():
+            suffix = ours[len(PREFIX):]
+            tensors.append((dev, suffix, shapes[ours], _DTYPE_BY_SUFFIX.get(suffix, extra.get(suffix, "f32"))))
+        self._tile_random(mcfg, tensors, policy, seed + 1, template_bytes, quantised_products)
+        for name in MTP_BORROWED:
+            self.mats[name] = main.mats[name]
+            self.borrowed.add(name)
+        return self
+
+    def _tile_random(self, config, tensors, policy: str, seed: int, template_bytes: int,
+                     quantised_products: bool) -> None:
+        """random_policy's making of (device name, tensor kind, shape, stored type) tensors."""
+        from ..gguf.tiny import POLICIES, _EXPERTS, _random_tensor
+        rt = self.rt
+        tile = rt.compile_file("step_ops.hip").kernel("step_tile_rows")
         gate_up, down = POLICIES[policy]
         templates: dict[tuple, tuple] = {}
-        for i, (name, shape) in enumerate(tensor_shapes(config).items()):
-            suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        for i, (name, suffix, shape, dtype) in enumerate(tensors):
             rng = np.random.default_rng([seed, i])
             if is_int_tensor(name) or is_vector(name, shape):
                 self._put_vec(name, _random_tensor(rng, config, suffix, tuple(shape)))
                 continue
-            qtype = (down if suffix == "ffn_down_exps.weight" else gate_up) if suffix in _EXPERTS else \
-                dtypes.get(name, "f32").upper()
+            qtype = (down if suffix == "ffn_down_exps.weight" else gate_up) if suffix in _EXPERTS else dtype.upper()
             packed = takes_packed(name, _GGML_TO_WTYPE[qtype], quantised_products)
             key = (suffix, qtype, shape[-1], packed)
             if key not in templates:
@@ -250,7 +279,6 @@ class DeviceWeights:
         rt.synchronize()
         for tmpl, _, _ in templates.values():
             tmpl.free()
-        return self
 
 
 def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, seed: int, packed: bool = False):

@@ -17,6 +17,16 @@ def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65
                              name=f"flash-shaped-{n_layer}L")
 
 
+def make_mtp(rt, cfg, dw):
+    """(MTP stand-in, its device weights): a random MTP block beside make_model(full=True)'s
+    model, in the same policy (the stand-in takes the reference MTP's place: its config)."""
+    from ..gguf.mtp import mtp_config
+    from .device_weights import DeviceWeights
+    mcfg = mtp_config(cfg)
+    mdw = DeviceWeights.random_policy_mtp(rt, dw, mcfg, "q2", quantised_products=True)
+    return SimpleNamespace(config=mcfg, weights=None), mdw
+
+
 def make_model(full: bool, experts: int = 256):
     """(runtime, config, device weights, model stand-in, description): the 8-layer bf16 model
     or, with full, Flash in the q2 policy; random weights made on the device."""
