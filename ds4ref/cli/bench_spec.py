@@ -8,8 +8,9 @@ round: `oracle:RATE` replays the true continuation, each draft right with probab
 the plain run's (column `exact`). Timed: the decode phase only (from the pass after which no
 prompt is left to the last token), less the passes that captured a capacity bucket's CUDA graph
 (the first of each bucket after a run's configure: a one-time cost). Columns: measured
-acceptance (accepted / proposed drafts), tok/s, speed-up over plain, passes, the drafter's ms
-per pass (the MTP block's own cost with `mtp`), sequences that turned speculation off.
+acceptance (accepted / proposed drafts), tok/s, speed-up over plain, passes, what a round costs in
+plain steps ((plain passes / passes) / speed-up: a k + 1-row pass plus the rollback), the drafter's
+ms per pass (the MTP block's own cost with `mtp`), sequences that turned speculation off.
 
 Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
 numpy|hip, or --synthetic 8layer|full (hip/synthetic.py's random Flash-shaped models
@@ -136,7 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         for i, pr in enumerate(prompts)]
         decode_run(model, backend, reqs(), C)  # warm-up: compiles, caches, graphs
         truth, base, base_passes, _, _ = decode_run(model, backend, reqs(), C)
-        rows.append([str(C), "plain", "-", f"{base:.1f}", "1.00", str(base_passes), "-", "-", "yes"])
+        rows.append([str(C), "plain", "-", f"{base:.1f}", "1.00", str(base_passes), "-", "-", "-", "yes"])
         truths = {10_000 + i: t for i, t in enumerate(truth)}
         for d in drafts:
             make = BackendDrafter if d == "mtp" else (lambda be, d=d: OracleDrafter(truths, d, V))
@@ -144,13 +145,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                       0.0 if args.no_auto_off else None)
             s = eng.scheduler.stats()
             acc = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0
+            round_cost = base_passes / passes / (tps / base) if base and tps and passes else None
             rows.append([str(C), "mtp" if d == "mtp" else f"oracle:{d:g}", f"{acc:.2f}", f"{tps:.1f}",
                          f"{tps / base:.2f}" if base else "-", str(passes),
+                         f"{round_cost:.2f}" if round_cost else "-",
                          f"{1000 * timed.seconds / max(1, timed.calls):.2f}", str(s["spec_off"]),
                          "yes" if out == truth else "NO"])
         print(f"C={C} done", flush=True)
     cols = [("C", 3), ("draft", 10), ("accept", 6), ("tok/s", 8), ("speedup", 7), ("passes", 6),
-            ("draft ms/pass", 13), ("auto-off", 8), ("exact", 5)]
+            ("round/step", 10), ("draft ms/pass", 13), ("auto-off", 8), ("exact", 5)]
     print(text_table(cols, rows, f"K = {k} drafts a round; {backend} backend; decode phase only; "
                                  f"auto-off {'disabled' if args.no_auto_off else 'on'}"))
     return 0 if all(r[-1] == "yes" for r in rows) else 1
