@@ -393,11 +393,11 @@ class HipBackend:
     def _alloc_workspace(self) -> None:
         st, L = self.state, self.max_pass_rows  # every bucket's program uses the first lanes of these buffers
         sizes = workspace_sizes(self.cfg, L, st.maxp, st.page_tokens, self.quantised_products)
-        second = {b: a for a, b in JOINT_OUTPUTS}
+        first, second = dict(JOINT_OUTPUTS), {b: a for a, b in JOINT_OUTPUTS}
         for name, n in sizes.items():
             if name in second:
                 continue
-            parts = 2 if any(name == a for a, _ in JOINT_OUTPUTS) else 1
+            parts = 2 if name in first else 1
             buf = self.rt.malloc(4 * L * n * parts)
             self.rt.memset32(buf, 0, L * n * parts)
             self._ws[name] = buf
@@ -514,7 +514,7 @@ class HipBackend:
         self._mv(rec, p + "attn_q_b.weight", ws["qr"], ws["q_raw"], q8=q8qr)
         self._norm_rope(rec, ws["q_raw"], None, ws["q"], pos, ratio, H, D)
         self._mv(rec, p + "attn_kv.weight", ws["a"], ws["kv_raw"], q8=q8a)
-        kv = ws["kv8"] if self.numerics == "official" else ws["kv"]  # official: FP8 round-tripped
+        kv = ws["kv"]  # official numerics: FP8 round-tripped
         self._norm_rope(rec, ws["kv_raw"], p + "attn_kv_a_norm.weight", kv, pos, ratio, 1, D,
                         fp8=self.numerics == "official")
         sel = None
@@ -554,9 +554,9 @@ class HipBackend:
         rec.launch(K.kernel(rec, "pool", "ds4_pool_window"), (_blocks(width, 32), L), (256,),
                    (ws["cand_kv"], ws["cand_sc"], ws["pooled"], I32(L), I32(C), I32(width)))
         # official: the attention rows FP8 round-tripped, the index rows through the QAT
-        fp8 = self.numerics == "official" and kind == ATTN
-        row = ws["crow2"] if fp8 else ws["crow"]
-        self._norm_rope(rec, ws["pooled"], pre + "_norm.weight", row, ws["emit_pos"], ratio, 1, width, fp8=fp8)
+        row = ws["crow"]
+        self._norm_rope(rec, ws["pooled"], pre + "_norm.weight", row, ws["emit_pos"], ratio, 1, width,
+                        fp8=self.numerics == "official" and kind == ATTN)
         if self.numerics == "official" and kind == INDEX:
             row = self._qat(rec, row, ws["crow2"], L, width)
         per = st.layout.rows_per_page(ratio)

@@ -98,7 +98,7 @@ def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
     f32 = {
         "s0": hc * d, "s1": hc * d, "mix": c.hc_mix, "u": d, "post": hc, "comb": hc * hc,
         "a": d, "qa_raw": c.q_lora_rank, "qr": c.q_lora_rank, "q_raw": c.n_head * D, "q": c.n_head * D,
-        "kv_raw": D, "kv": D, "kv8": D,
+        "kv_raw": D, "kv": D,
         "ckv": 2 * D, "csc": 2 * D, "ikv": 2 * Di, "isc": 2 * Di,
         "cand_kv": cmax * wmax, "cand_sc": cmax * wmax, "pooled": wmax, "crow": wmax, "crow2": wmax,
         "nprev_a_kv": 4 * D, "nprev_a_sc": 4 * D, "nprev_i_kv": 4 * Di, "nprev_i_sc": 4 * Di,
