@@ -168,10 +168,14 @@ class Backend(Protocol):
 
     # Speculative decoding (docs/scheduler.md) needs these two and an MTP block; a backend
     # without them serves without speculation.
-    def restore_state(self, slot: int, snapshot: int) -> None:
-        """The slot takes back the snapshot's state and position, keeping its block table:
-        the rows that passes after the snapshot wrote past its position stay in the pages
-        and are rewritten before any row reads them (a row reads only positions before its own)."""
+    def restore_state(self, slot: int, snapshot: int, rows: int = 0) -> int:
+        """The slot takes back the snapshot's state and position, keeping its block table, then
+        the state its first `rows` rows of the last step() left: that step is the first since
+        the snapshot, and its rows of this slot start at the snapshot's position. Returns the
+        rows kept, `rows` or 0 (a backend that can only go back to the snapshot; the engine then
+        feeds them again). Rows that passes after the snapshot wrote past the kept position stay
+        in the pages and are rewritten before any row reads them (a row reads only positions
+        before its own)."""
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
         """Per request, int32[k] draft tokens: each the MTP logits' argmax (lower index wins
@@ -179,6 +183,14 @@ class Backend(Protocol):
 
 
 # ---- the protocol's checks, shared by every backend ------------------------------------------
+def check_kept_rows(slot: int, position: int, rows: int, ran: range) -> None:
+    """restore_state's `rows`: the slot's rows of the last step (positions `ran`) must start at
+    the snapshot's position and hold that many."""
+    if rows < 0 or (rows and (ran.start != position or len(ran) < rows)):
+        raise ValueError(f"slot {slot}: cannot keep {rows} rows from position {position}: its rows of the "
+                         f"last step ran positions {ran.start}..{ran.stop - 1}")
+
+
 def check_rows(rows, next_pos: Sequence[int], table_sizes: Sequence[int], page_tokens: int, vocab: int,
                max_pass_rows: int = DECODE_LANES) -> None:
     """A pass's rows against the slots' state: at most max_pass_rows rows, slots in range, each slot's

@@ -13,6 +13,7 @@ import ds4ref
 from ds4ref.backend import DraftRequest, Row, StepPlan
 from ds4ref.gguf.mtp import mtp_tensor_shapes
 from ds4ref.hip.backend import HipBackend
+from ds4ref.hip.device_state import LANE_FIELDS
 from ds4ref.hip.device_weights import mtp_device_names
 from ds4ref.hip.mtp import first_pass, last_position, next_pass
 from ds4ref.hip.op_cases import CASES
@@ -103,8 +104,11 @@ def test_draft_runs_a_pass_then_one_per_further_draft(model, rt):
     drafts = b.draft([DraftRequest(0, tuple(range(30)), (7,) * 30, 3), DraftRequest(1, (0,), (8,), 0),
                       DraftRequest(2, (0,), (9,), 2)])
     ran = [k for k, _ in rt.launches[before:]]
-    # 32 rows: the 32-lane program, then two one-row-per-request passes in the 16-lane one
-    want = [op[0].handle for op in b.mtp.programs[32].ops] + 2 * [op[0].handle for op in b.mtp.programs[16].ops]
+    # 32 rows: the 32-lane program, then two one-row-per-request passes in the 16-lane one,
+    # between them the MTP windows of slots 0 and 2 (k > 1) saved, and restored after them
+    copy = [("step_state.hip", "step_slot_copy")] * 2
+    want = ([op[0].handle for op in b.mtp.programs[32].ops] + copy
+            + 2 * [op[0].handle for op in b.mtp.programs[16].ops] + copy)
     assert ran == want
     # the recording runtime's download of row e reads e: emitting rows in lane order
     assert [d.tolist() for d in drafts] == [[0, 0, 0], [], [1, 1]]  # pass 2 holds slots 0 and 2
@@ -126,17 +130,55 @@ def test_snapshots_carry_the_mtp_ring_and_restore_leaves_it(model, rt):
     sid = b.save_state(0)
     assert set(b.mtp.state.snapshots) == {b._mtp_snapshots[sid]}
     b.step(StepPlan.from_rows([Row(0, 10, 5)], b.max_pass_rows))
-    copies = []
-    rt.d2d = lambda dst, src, n: copies.append(n)
+    def copies():  # the region tables of the step_slot_copy launches since the last call
+        out = [args[0] for k, args in rt.launches[seen[0]:] if k[1] == "step_slot_copy"]
+        seen[0] = len(rt.launches)
+        return out
+    seen = [len(rt.launches)]
     b.restore_state(0, sid)
     assert b.state.next_pos[0] == 10 and b.state.tables[0].tolist() == [0, 1]
-    assert sum(copies) == sum(nb for *_, nb in b.state._slot_regions(0))  # the main state only
+    assert copies() == [b.state._region_table]  # the main state only
     b.reset_slot(1)
-    copies.clear()
+    copies()
     b.load_state(1, sid, [0])
-    assert sum(copies) == sum(nb for *_, nb in b.state._slot_regions(1)) + b.mtp.state.ring_slot_bytes
+    assert copies() == [b.state._region_table, b.mtp.state._region_table]
+    assert b.mtp.state.snapshot_bytes == b.mtp.state.ring_slot_bytes
     b.drop_state(sid)
     assert not b.mtp.state.snapshots and not b._mtp_snapshots
+
+
+def test_restore_keeps_rows_by_committing_their_lanes_again(model, rt):
+    """restore_state(slot, snapshot, rows): the snapshot copied back, then the last step's bucket's
+    commit program (every layer's ring and compressor commits, reading the round log) over lane
+    fields that hold the slot's first `rows` lanes alone, their `last` the last kept position. A
+    step in a bucket past the round log keeps no rows; a request past the slot's rows is refused."""
+    b = backend_with_mtp(model, rt)
+    fields = []
+    write = b.state.write_lanes
+    b.state.write_lanes = lambda f: (fields.append(np.array(f)), write(f))
+    for s in (0, 1):
+        b.reset_slot(s)
+        b.set_block_table(s, [4 * s, 4 * s + 1])
+    b.step(StepPlan.from_rows([Row(0, p, 5) for p in range(10)] + [Row(1, p, 6) for p in range(3)], b.max_pass_rows))
+    snap = b.save_state(1)
+    b.step(StepPlan.from_rows([Row(0, 10, 5)] + [Row(1, 3 + j, 7) for j in range(4)], b.max_pass_rows))
+    before = len(rt.launches)
+    assert b.restore_state(1, snap, 2) == 2 and b.state.next_pos[1] == 5
+    ran = [k for k, _ in rt.launches[before:]]
+    assert ran == [("step_state.hip", "step_slot_copy")] + [op[0].handle for op in b.commit_programs[16].ops]
+    names = {op[0].name for op in b.commit_programs[16].ops}
+    assert names == {"step_ring_commit", "step_comp_commit"}
+    f = {name: fields[-1][i] for i, name in enumerate(LANE_FIELDS)}
+    assert f["slot"][:6].tolist() == [-1, 1, 1, -1, -1, -1] and (f["slot"][6:] == -1).all()
+    assert f["last"][1:3].tolist() == [4, 4] and f["pos"][1:3].tolist() == [3, 4]
+    snap = b.save_state(1)
+    with pytest.raises(ValueError, match="cannot keep"):
+        b.restore_state(1, snap, 1)  # the last step ran positions 3..6 of slot 1, not from 5
+    b.step(StepPlan.from_rows([Row(1, 5 + j, 7) for j in range(70)], b.max_pass_rows))  # the 128-lane bucket
+    before = len(rt.launches)
+    assert b.restore_state(1, snap, 3) == 0 and b.state.next_pos[1] == 5
+    assert [k for k, _ in rt.launches[before:]] == [("step_state.hip", "step_slot_copy")]
+    assert sorted(b.commit_programs) == [L for L in b.buckets if L <= 64]
 
 
 def test_without_mtp_there_is_no_draft(model, rt):

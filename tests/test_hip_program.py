@@ -255,6 +255,71 @@ class ArenaRuntime:
     def synchronize(self):
         pass
 
+    def upload(self, arr):
+        buf = self.malloc(np.asarray(arr).nbytes)
+        self.h2d(buf, arr)
+        return buf
+
+    def compile_file(self, filename, options=()):
+        return types.SimpleNamespace(kernel=lambda name: name)
+
+    def launch(self, kernel, grid, block, args, shared=0, stream=None):
+        """step_slot_copy, as its source (kernels/step_state.hip) reads: region y of the table
+        copies its slot's bytes to or from the snapshot at the region's offset."""
+        assert kernel == "step_slot_copy", f"{kernel} has no host twin here"
+        desc, slot, snap, to_snapshot = args
+        table = self.bytes(desc).view(np.int64).reshape(-1, 3)
+        assert grid[1] == len(table)
+        for base, nb, at in table:
+            live = self.bytes(DeviceBuffer(self, int(base) + int(slot) * int(nb), int(nb)))
+            copy = self.bytes(DeviceBuffer(self, snap.ptr + int(at), int(nb)))
+            if to_snapshot:
+                copy[:] = live
+            else:
+                live[:] = copy
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_snapshot_moves_the_slots_own_state_and_reuses_dropped_copies(compact):
+    """save_state/restore_state: one launch each, taking back exactly the slot's rings and
+    compressor windows (no other slot's byte, no page); a dropped snapshot's memory serves the
+    next save."""
+    cfg = tiny_config()
+    rt = ArenaRuntime()
+    st = DeviceState(rt, cfg, 3, 6, 128, sorted({r for r in cfg.compress_ratios if r}), compact=compact)
+    rng = np.random.default_rng(1)
+    stores = [st.rings] + [b for cs in st.comps.values() for b in (cs.cur_kv, cs.cur_sc, cs.prev_kv, cs.prev_sc)
+                           if b is not None] + list(st.pages.values())
+
+    def scramble():
+        for b in stores:
+            rt.bytes(b)[:] = rng.integers(0, 256, b.nbytes, dtype=np.uint8)
+        return [rt.bytes(b).copy() for b in stores]
+
+    saved = scramble()
+    st.set_block_table(1, [0])
+    st.next_pos[1] = 5
+    sid = st.save_state(1)
+    later = scramble()
+    st.next_pos[1] = 9
+    st.restore_state(1, sid)
+    assert st.next_pos[1] == 5
+    restored = set()
+    for buf, per_slot in st._regions():
+        i = next(j for j, b in enumerate(stores) if b is buf)
+        want = later[i].copy()
+        want[per_slot:2 * per_slot] = saved[i][per_slot:2 * per_slot]
+        np.testing.assert_array_equal(rt.bytes(buf), want)
+        restored.add(i)
+    for i, b in enumerate(stores):  # the pages: untouched
+        if i not in restored:
+            np.testing.assert_array_equal(rt.bytes(b), later[i])
+    copy = st.snapshots[sid][0]
+    n_alloc = len(rt.mem)
+    st.drop_state(sid)
+    sid2 = st.save_state(2)
+    assert st.snapshots[sid2][0] is copy and len(rt.mem) == n_alloc
+
 
 @pytest.mark.parametrize("compact", [True, False])
 def test_copy_page_copies_one_page_of_every_store(compact):
@@ -337,8 +402,9 @@ def test_join_lays_matrices_end_to_end_and_frees_each_buffer_once():
 @pytest.mark.parametrize("numerics", ["official", "plain"])
 def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
     """Each joined pair (DeviceWeights.join) is one grouped launch a pass, whose second output
-    starts where JOINT_OUTPUTS puts it: the group stride gs is the first output's whole buffer."""
-    from ds4ref.hip.workspace import JOINT_OUTPUTS, workspace_sizes
+    starts where JOINT_OUTPUTS puts it: the group stride gs is the first output's whole buffer,
+    in buckets the round log covers the layer's own part of the log for the compressors' pairs."""
+    from ds4ref.hip.workspace import COMMIT_INPUTS, JOINT_OUTPUTS, workspace_sizes
     rt = RecordingRuntime()
     cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
     dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
@@ -347,9 +413,10 @@ def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
     backend.configure(4, 64)
     st, L = backend.state, backend.max_pass_rows
     sizes = workspace_sizes(cfg, L, st.maxp, st.page_tokens, backend.quantised_products)
-    strides = {L * sizes[a] for a, _ in JOINT_OUTPUTS}
-    assert dw.joints
-    for program in backend.programs.values():
+    R = backend._log_lanes
+    assert dw.joints and 0 < R < L
+    for bucket, program in backend.programs.items():
+        strides = {(R if bucket <= R and a in COMMIT_INPUTS else L) * sizes[a] for a, _ in JOINT_OUTPUTS}
         joint = []
         for k, grid, _block, args, _shared in program.ops:
             if k.name.startswith("ds4_matvec3_") and not k.name.endswith(("_ks", "_ksum")):

@@ -179,3 +179,85 @@ def test_drafts_never_overfill_a_tight_pass(rows):
         assert eng.run(reqs()) == want
         assert max(p.n_rows for p in eng.seq_engine.backend.passes) <= rows
         assert eng.scheduler.stats()["spec_rounds"] > 0
+
+
+# ---- restore_state keeping the accepted rows ------------------------------------------------
+def kept_rows_against_fed_rows(b, prompt, detour, keep, other):
+    """Slot 0 feeds `prompt`, snapshots, runs `detour` in one pass, and restore_state keeps its
+    first `keep` rows; slot 1 feeds `prompt` and detour[:keep] only. Both then feed `other` in
+    one pass. Returns restore_state's answer and the two slots' logits of `other` (a backend
+    that keeps no rows has the engine's fallback run: slot 0 feeds detour[:keep] again)."""
+    from ds4ref.backend import Row, StepPlan
+    T = 128
+    end = len(prompt) + len(detour) + len(other)
+    for s in (0, 1):
+        b.reset_slot(s)
+        b.set_block_table(s, [3 * s + j for j in range(-(-end // T))])
+
+    def feed(s, at, tokens, emit=False):
+        out = []
+        for i in range(0, len(tokens), 64):
+            chunk = tokens[i:i + 64]
+            rows = [Row(s, at + i + j, t, emit, emit) for j, t in enumerate(chunk)]
+            out += b.step(StepPlan.from_rows(rows, b.max_pass_rows)).logits
+        return out
+
+    feed(0, 0, prompt)
+    feed(1, 0, prompt)
+    snap = b.save_state(0)
+    feed(0, len(prompt), detour)
+    kept = b.restore_state(0, snap, keep)
+    b.drop_state(snap)
+    feed(0, len(prompt) + kept, detour[kept:keep])
+    feed(1, len(prompt), detour[:keep])
+    at = len(prompt) + keep
+    return kept, feed(0, at, other, emit=True), feed(1, at, other, emit=True)
+
+
+kept_rows_cases = st.tuples(st.integers(100, 300), st.integers(1, 7), st.integers(0, 7), st.integers(1, 5),
+                            st.integers(0, 2**31 - 1))
+
+
+def draw_kept_rows_case(case, vocab):
+    """(prompt, detour, keep, other) from kept_rows_cases: prompts past several ratio-4 windows,
+    the indexer's top-k and the 128-token window and compressor; detours across boundaries."""
+    n, d, keep, o, seed = case
+    rng = np.random.default_rng(seed)
+    prompt, detour, other = (rng.integers(2, vocab, m).tolist() for m in (n, d, o))
+    return prompt, detour, min(keep, d), other
+
+
+@settings(max_examples=3, deadline=None)
+@given(kept_rows_cases)
+def test_restore_state_keeping_rows_equals_feeding_only_them(tiny, case):
+    """NumpyBackend: a round's snapshot, its pass, restore_state keeping the accepted rows, leave
+    the slot as feeding only those rows did, bit for bit in the logits that follow."""
+    from ds4ref.reference.numpy_backend import NumpyBackend
+    prompt, detour, keep, other = draw_kept_rows_case(case, tiny.config.vocab_size)
+    b = NumpyBackend(tiny.reference)
+    b.configure(2, 6)
+    kept, got, want = kept_rows_against_fed_rows(b, prompt, detour, keep, other)
+    assert kept == keep
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"row {j} of the tokens after the round"
+    with pytest.raises(ValueError, match="cannot keep"):
+        b.restore_state(0, b.save_state(0), 1)  # the last step ran slot 1, not slot 0
+
+
+def test_bench_prints_exact_rounds_and_refuses_mtp_without_a_block(capsys, monkeypatch):
+    """`bench --speculative-tokens` on the tiny model (NumPy): every row's tokens equal plain
+    decoding's (its exit status says so), the oracle at rate 1 accepts every draft; asked for MTP
+    drafts from a model without a block, it stops with a message before running anything."""
+    import ds4ref.model
+    from ds4ref.cli.bench_spec import main
+    argv = ["--speculative-tokens", "2", "--concurrency", "1", "--max-tokens", "10", "--prompt-tokens", "8"]
+    assert main(argv + ["--draft", "oracle:1", "--draft", "mtp"]) == 0
+    table = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in table.splitlines() if line.split()[:1] == ["1"]}
+    assert set(rows) == {"plain", "oracle:1", "mtp"} and all(r[-1] == "yes" for r in rows.values())
+    assert rows["oracle:1"][2] == "1.00"
+    tiny = ds4ref.model.load()
+    monkeypatch.setattr(ds4ref.model, "load", lambda *a, **kw: SimpleNamespace(**{**vars(tiny), "mtp": None}))
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--draft", "mtp"])
+    assert exc.value.code == 2 and "needs a model with an MTP block" in capsys.readouterr().err

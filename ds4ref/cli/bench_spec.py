@@ -127,6 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from ..model import load
         model, backend = load(args.model, backend=args.backend, mtp=args.mtp), args.backend
     drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + (["mtp"] if model.mtp is not None else [])
+    if "mtp" in drafts and model.mtp is None:
+        p.error("--draft mtp needs a model with an MTP block: this one has none"
+                + (" (--synthetic full carries a random one, --synthetic 8layer does not)" if args.synthetic else ""))
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
     rows = []

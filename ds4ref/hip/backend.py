@@ -37,20 +37,20 @@ import math
 
 import numpy as np
 
-from ..backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_rows
+from ..backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_kept_rows, check_rows
 from ..reference import canon
 from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
 from ..gguf.config import CSA
 from ..reference.state import ATTN, INDEX, row_kinds
 from . import ops as K
-from .device_state import DeviceState, lane_fields, lane_order
+from .device_state import LANE_FIELDS, DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
-from .workspace import (JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width, rope_positions,
-                        score_capacity, shared_q8_inputs, workspace_sizes)
+from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width, rope_positions,
+                        round_log_lanes, score_capacity, shared_q8_inputs, workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
@@ -131,6 +131,13 @@ class HipBackend:
         self.programs: dict[int, Recorder] = {}
         self._graphs: dict[int, object] = {}
         self._ws: dict[str, object] = {}
+        # the round log (workspace.COMMIT_INPUTS): per layer its own views, for buckets of up to
+        # _log_lanes lanes, and per such bucket a program of every layer's commit from it
+        self._round_log: list[dict[str, object]] = []
+        self._log_lanes = 0
+        self.commit_programs: dict[int, Recorder] = {}
+        self._commit_graphs: dict[int, object] = {}
+        self._last_pass = None  # (bucket, lane fields, {slot: (first lane, positions)}) of the last step
         # (slot, position) -> lane of the last step's rows, whose final streams s0 still holds
         # for draft(); None once an MTP pass has overwritten them
         self._streams_at: dict[tuple[int, int], int] | None = None
@@ -173,13 +180,18 @@ class HipBackend:
         # MTP layer's program (a ratio-0 layer of the main model runs with these very values)
         self.ncap4 = score_capacity(self.cfg, self.state.maxp, page_tokens)
         self.at_nz = attention_slices(self.cfg, self.state.maxp, page_tokens)
-        self.programs = {}
+        self.programs, self.commit_programs = {}, {}
         for L in self.buckets:
             rec = Recorder(self.rt, L)
             self._build(rec)
             self.programs[L] = rec
-        self._graphs = {}  # the state moved: capture again on each bucket's next step
-        self._streams_at, self._mtp_snapshots = None, {}
+            if L <= self._log_lanes:
+                rec = Recorder(self.rt, L)
+                for il in range(self.cfg.n_layer):
+                    self._commit(rec, il)
+                self.commit_programs[L] = rec
+        self._graphs, self._commit_graphs = {}, {}  # the state moved: capture again on each bucket's next step
+        self._streams_at, self._mtp_snapshots, self._last_pass = None, {}, None
         if self.mtp is not None:
             self.mtp.configure(self, n_slots, n_pages, page_tokens)
             view = self._layer_view(self.mtp.cfg, self.mtp.w, self.mtp.state)
@@ -224,9 +236,30 @@ class HipBackend:
         if self.mtp is not None:
             self.mtp.state.drop_state(self._mtp_snapshots.pop(snapshot))
 
-    def restore_state(self, slot: int, snapshot: int) -> None:
+    def restore_state(self, slot: int, snapshot: int, rows: int = 0) -> int:
+        """Back to the snapshot, then, where the last step ran in a bucket the round log covers,
+        each layer's commit again over the slot's first `rows` lanes of that step alone: the
+        state a pass of just those rows leaves (the commits read only the pass's logged inputs
+        and the state before it, which the snapshot is). Otherwise 0 rows are kept."""
         self.rt.bind_thread()
-        self._need_state().restore_state(slot, snapshot)
+        st = self._need_state()
+        position = st.snapshots[snapshot][1]
+        L, fields, ran = self._last_pass or (0, None, {})
+        first, span = ran.get(slot, (0, range(0)))
+        check_kept_rows(slot, position, rows, span)
+        st.restore_state(slot, snapshot)
+        if not rows or L not in self.commit_programs:
+            return 0
+        keep = fields.copy()
+        lane_slot, last = keep[LANE_FIELDS.index("slot")], keep[LANE_FIELDS.index("last")]
+        kept = np.zeros(keep.shape[1], bool)
+        kept[first:first + rows] = True
+        lane_slot[~kept] = -1
+        last[kept] = position + rows - 1
+        st.write_lanes(keep)
+        self._run(self.commit_programs, self._commit_graphs, L)
+        st.next_pos[slot] = position + rows
+        return rows
 
     def copy_page(self, src: int, dst: int) -> None:
         self.rt.bind_thread()
@@ -240,10 +273,17 @@ class HipBackend:
                    self.max_pass_rows)
         order = lane_order([r.slot for r in rows])
         lanes = [rows[i] for i in order]
-        st.write_lanes(lane_fields(lanes, st.ratios, st.n_lanes))
-        self._run(self.programs, self._graphs, self.bucket(len(rows)))
+        fields = lane_fields(lanes, st.ratios, st.n_lanes)
+        st.write_lanes(fields)
+        L = self.bucket(len(rows))
+        self._run(self.programs, self._graphs, L)
         self.rt.synchronize()
         self._streams_at = {(r.slot, r.position): lane for lane, r in enumerate(lanes)}
+        ran: dict[int, tuple[int, range]] = {}
+        for lane, r in enumerate(lanes):
+            first, span = ran.get(r.slot, (lane, range(r.position, r.position)))
+            ran[r.slot] = (first, range(span.start, r.position + 1))
+        self._last_pass = (L, fields, ran)
         emitting = [i for i in order if rows[i].emit]  # head row e holds the e-th emitting lane
         amax = self.rt.download(self._ws["amax"], (max(len(emitting), 1),), I32)
         logits: list[np.ndarray | None] = [None] * len(rows)
@@ -326,6 +366,7 @@ class HipBackend:
         workspace, RoPE tables, numerics and the main model's score capacity and key slices."""
         view = copy.copy(self)
         view.cfg, view.w, view.state = cfg, weights, state
+        view._round_log = []  # the main layers' round log is not the MTP's
         return view
 
     # ---- running -------------------------------------------------------------------
@@ -403,6 +444,18 @@ class HipBackend:
             self._ws[name] = buf
         for b, a in second.items():
             self._ws[b] = K.view(self._ws[a], 4 * L * sizes[a], 4 * L * sizes[b])
+        self._log_lanes = R = round_log_lanes(L)
+        per_layer = 4 * R * sum(sizes[n] for n in COMMIT_INPUTS)
+        log = self.rt.malloc(self.cfg.n_layer * per_layer)
+        self.rt.memset32(log, 0, log.nbytes // 4)
+        self._ws["round log"] = log
+        self._round_log = []
+        for il in range(self.cfg.n_layer):
+            at, views = il * per_layer, {}
+            for name in COMMIT_INPUTS:
+                views[name] = K.view(log, at, 4 * R * sizes[name])
+                at += 4 * R * sizes[name]
+            self._round_log.append(views)
         ws = self._ws
         self._q8 = K.Q8Rows(ws["q8_codes"], ws["q8_scales"], ws["q8_sums"],
                             L * q8_width(self.cfg, self.quantised_products))
@@ -426,6 +479,13 @@ class HipBackend:
             self._attention_layer(rec, il)
             self._ffn_layer(rec, il)
         self._head(rec)
+
+    def _ws_at(self, rec, il: int) -> dict:
+        """The workspace as layer il of bucket rec.L sees it: a bucket the round log covers finds
+        the commit's inputs in the layer's own part of it."""
+        if rec.L > self._log_lanes or not self._round_log:
+            return self._ws
+        return {**self._ws, **self._round_log[il]}
 
     # small launch helpers ---------------------------------------------------------------
     def _mv(self, rec, name, x, y, q8=None, **kw):
@@ -502,7 +562,7 @@ class HipBackend:
     # attention half of a layer ---------------------------------------------------------------
     def _attention_layer(self, rec, il: int) -> None:
         L = rec.L
-        c, ws, st = self.cfg, self._ws, self.state
+        c, ws, st = self.cfg, self._ws_at(rec, il), self.state
         ratio, D, H = c.ratio(il), c.head_dim, c.n_head
         p = f"blk.{il}."
         pos = st.lane("pos")
@@ -532,12 +592,12 @@ class HipBackend:
                  xg=hd // c.o_groups, ldy=c.o_groups * c.o_lora_rank)
         self._mv(rec, p + "attn_output_b.weight", ws["z"], ws["y"])
         self._hc_post(rec, ws["s0"], ws["y"], ws["s1"])
-        self._commit(rec, il, kv)
+        self._commit(rec, il)
 
     def _compressor(self, rec, il: int, kind: str) -> None:
         """Project this pass's inputs, pool the windows lanes complete, store the rows."""
         L = rec.L
-        c, ws, st = self.cfg, self._ws, self.state
+        c, ws, st = self.cfg, self._ws_at(rec, il), self.state
         ratio = c.ratio(il)
         cs = st.comps[(il, kind)]
         width, coff = cs.width, (2 if ratio == CSA else 1)
@@ -611,10 +671,11 @@ class HipBackend:
                                    self.at_nz, ws["o"], L, rope=self.rope_cs[1 if ratio else 0],
                                    half=c.n_rot // 2, q8=q8)
 
-    def _commit(self, rec, il: int, kv) -> None:
+    def _commit(self, rec, il: int) -> None:
         """Write the pass into the ring and the compressor state (after every reader)."""
         L = rec.L
-        c, ws, st = self.cfg, self._ws, self.state
+        c, ws, st = self.cfg, self._ws_at(rec, il), self.state
+        kv = ws["kv"]
         kso = rec.compile_file("step_state.hip").kernel
         lanes = (st.lane("slot"), st.lane("pos"), st.lane("last"))
         rec.launch(kso("step_ring_commit"), (L,), (128,),

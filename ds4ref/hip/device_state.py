@@ -145,6 +145,17 @@ class DeviceState:
         self.next_pos = np.zeros(n_slots, np.int64)
         self.snapshots: dict[int, tuple[object, int]] = {}  # id -> (device copy of the slot's state, position)
         self._next_snapshot = 0
+        # Speculation takes a snapshot every round: up to n_slots dropped copies are kept for the
+        # next saves (one stream orders a reuse after the copies queued from it, so no sync is
+        # needed), and each save or restore is one step_slot_copy launch over the regions' table.
+        self._spare: list[object] = []
+        regions = self._regions()
+        self.snapshot_bytes = sum(nb for _, nb in regions)
+        starts = np.cumsum([0] + [nb for _, nb in regions[:-1]])
+        self._region_table = rt.upload(np.asarray([(buf.ptr, nb, at) for (buf, nb), at in zip(regions, starts)],
+                                                  np.int64))
+        self._bufs.append(self._region_table)
+        self._copy_grid = (max(1, min(1024, -(-max(nb for _, nb in regions) // (4 * 256)))), len(regions))
         rt.synchronize()
 
     @staticmethod
@@ -166,9 +177,9 @@ class DeviceState:
 
     def free(self) -> None:
         self.rt.synchronize()
-        for b in self._bufs + [buf for buf, _ in self.snapshots.values()]:
+        for b in self._bufs + [buf for buf, _ in self.snapshots.values()] + self._spare:
             b.free()
-        self._bufs, self.snapshots = [], {}
+        self._bufs, self.snapshots, self._spare = [], {}, []
 
     # ---- views the program needs ---------------------------------------------------
     def lane(self, name: str):
@@ -215,31 +226,26 @@ class DeviceState:
         self._upload_table(slot)
 
     # ---- snapshots (the prefix cache) ---------------------------------------------------
-    def _slot_regions(self, slot: int) -> list[tuple[object, int, int]]:
-        """(buffer, byte offset, bytes) of each piece of the slot's state that is not in pages."""
-        out = [(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes)]
+    def _regions(self) -> list[tuple[object, int]]:
+        """(buffer, bytes a slot) of each piece of state that is not in pages; slot s's part of
+        a buffer starts at s times its bytes a slot."""
+        out = [(self.rings, self.ring_slot_bytes)]
         for cs in self.comps.values():
             n = 4 * cs.ratio * (2 if cs.ratio == CSA else 1) * cs.width
-            out += [(cs.cur_kv, slot * n, n), (cs.cur_sc, slot * n, n)]
+            out += [(cs.cur_kv, n), (cs.cur_sc, n)]
             if cs.ratio == CSA:
                 m = 4 * 4 * cs.width
-                out += [(cs.prev_kv, slot * m, m), (cs.prev_sc, slot * m, m)]
+                out += [(cs.prev_kv, m), (cs.prev_sc, m)]
         return out
 
     def save_state(self, slot: int) -> int:
-        from .ops import view
         self.check_slot(slot)
         from .runtime import GpuError
-        regions = self._slot_regions(slot)
-        nbytes = sum(nb for *_, nb in regions)
         try:
-            copy = self.rt.malloc(nbytes)
+            copy = self._spare.pop() if self._spare else self.rt.malloc(self.snapshot_bytes)
         except GpuError as exc:  # the engine serves on without this snapshot
-            raise MemoryError(f"no device memory for a {nbytes}-byte snapshot: {exc}") from exc
-        at = 0
-        for buf, off, nb in regions:
-            self.rt.d2d(view(copy, at, nb), view(buf, off, nb), nb)
-            at += nb
+            raise MemoryError(f"no device memory for a {self.snapshot_bytes}-byte snapshot: {exc}") from exc
+        self._copy(slot, copy, to_snapshot=True)
         self._next_snapshot += 1
         self.snapshots[self._next_snapshot] = (copy, int(self.next_pos[slot]))
         return self._next_snapshot
@@ -253,7 +259,7 @@ class DeviceState:
         check_block_table(slot, self.tables[slot], table, self.n_pages)
         if table.size * self.page_tokens < position or table.size > self.maxp:
             raise ValueError(f"slot {slot}: {table.size} pages do not hold the snapshot's {position} positions")
-        self._copy_in(slot, copy)
+        self._copy(slot, copy, to_snapshot=False)
         self.tables[slot], self.next_pos[slot] = table, position
         self._upload_table(slot)
 
@@ -265,18 +271,19 @@ class DeviceState:
         if self.tables[slot].size * self.page_tokens < position:
             raise ValueError(f"slot {slot}: its {self.tables[slot].size} pages do not hold the snapshot's "
                              f"{position} positions (not this slot's snapshot?)")
-        self._copy_in(slot, copy)
+        self._copy(slot, copy, to_snapshot=False)
         self.next_pos[slot] = position
 
-    def _copy_in(self, slot: int, copy) -> None:
-        from .ops import view
-        at = 0
-        for buf, off, nb in self._slot_regions(slot):
-            self.rt.d2d(view(buf, off, nb), view(copy, at, nb), nb)
-            at += nb
+    def _copy(self, slot: int, copy, to_snapshot: bool) -> None:
+        kernel = self.rt.compile_file("step_state.hip").kernel("step_slot_copy")
+        self.rt.launch(kernel, self._copy_grid, (256,),
+                       (self._region_table, np.int32(slot), copy, np.int32(to_snapshot)))
 
     def drop_state(self, snapshot: int) -> None:
         copy, _ = self.snapshots.pop(snapshot)
+        if len(self._spare) < self.n_slots:  # a round's snapshot a slot; the cache's beyond are freed
+            self._spare.append(copy)
+            return
         self.rt.synchronize()  # a copy from it may still be queued
         copy.free()
 

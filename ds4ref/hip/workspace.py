@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ..backend import DECODE_LANES
 from ..gguf.config import CSA
 from ..gguf.tensors import is_int_tensor, tensor_shapes
 from ..paging.layout import PageLayout
@@ -84,6 +85,19 @@ JOINT_WEIGHTS = (("attn_compressor_kv.weight", "attn_compressor_gate.weight"),
                  ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"))
 
 
+# What a layer's commit (HipBackend._commit: ring and compressor state) reads from the pass, in
+# the order the round log lays them out (joint pairs first then second, adjacent). Buckets of
+# up to ROUND_LANES lanes keep these in each layer's own part of the round log, so that a
+# speculative round can be cut back to its accepted rows by committing again from the
+# snapshot (HipBackend.restore_state) instead of running those rows again.
+COMMIT_INPUTS = ("kv", "ckv", "csc", "ikv", "isc", "nprev_a_kv", "nprev_a_sc", "nprev_i_kv", "nprev_i_sc")
+ROUND_LANES = 4 * DECODE_LANES  # 16 lanes of a decode row and 3 drafts
+
+
+def round_log_lanes(max_pass_rows: int) -> int:
+    return min(ROUND_LANES, max_pass_rows)
+
+
 def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
                     quantised_products: bool = False) -> dict[str, int]:
     """int32/float32 elements per lane of every workspace buffer of a max_pass_rows-lane pass at this
@@ -134,7 +148,8 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_row
                  quantised_products: bool = False) -> dict[str, int]:
     """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
     compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
-    "rope" (cos/sin of both RoPE kinds, f32) and "workspace" (the max_pass_rows-lane pass)."""
+    "rope" (cos/sin of both RoPE kinds, f32), "workspace" (the max_pass_rows-lane pass) and
+    "round log" (COMMIT_INPUTS of every layer, for the buckets of up to ROUND_LANES lanes)."""
     maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
     ratios = {r for r in cfg.compress_ratios if r}
     return {
@@ -143,6 +158,8 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_row
         "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
         "workspace": 4 * max_pass_rows * sum(workspace_sizes(cfg, max_pass_rows, maxp, page_tokens,
                                                         quantised_products).values()),
+        "round log": 4 * round_log_lanes(max_pass_rows) * cfg.n_layer * sum(
+            workspace_sizes(cfg, max_pass_rows, maxp, page_tokens, quantised_products)[n] for n in COMMIT_INPUTS),
     }
 
 

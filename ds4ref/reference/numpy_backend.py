@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
-                       check_draft_requests, check_rows)
+                       check_draft_requests, check_kept_rows, check_rows)
 from ..paging.compact import (decode_index_rows, decode_kv_rows, encode_index_rows, encode_kv_rows,
                               index_row_bytes, kv_row_bytes)
 from ..paging.layout import PageLayout, kv_storage
@@ -84,6 +84,7 @@ class NumpyBackend:
         self._next_snapshot = 0
         self.mtp_states = [self.mtp.new_state() for _ in range(n_slots)] if self.mtp is not None else []
         self.hidden: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (first position, final streams) of the last pass
+        self.last_rows: dict[int, tuple[int, list[int]]] = {}
 
     # ---- stored rows: the working float, or compact bytes (ds4ref.paging.compact) ------
     @property
@@ -154,15 +155,24 @@ class NumpyBackend:
             store[dst] = store[src]
 
     # ---- speculative decoding ---------------------------------------------------------
-    def restore_state(self, slot: int, snapshot: int) -> None:
+    def restore_state(self, slot: int, snapshot: int, rows: int = 0) -> int:
+        """Back to the snapshot, then the kept rows run again through the same computation
+        (their state updates are its row-by-row ones; their results are not wanted)."""
         self._check_slot(slot)
         ring, comps, position, _ = self.snapshots[snapshot]  # the MTP window stays (backend.DraftRequest)
         if position > self.next_pos[slot]:
             raise ValueError(f"slot {slot}: snapshot at {position} is ahead of the slot's state at "
                              f"{int(self.next_pos[slot])}")
+        first, tokens = self.last_rows.get(slot, (0, []))
+        check_kept_rows(slot, position, rows, range(first, first + len(tokens)))
         self.rings[slot] = ring
         self.comps[slot] = {k: copy.deepcopy(c) for k, c in comps.items()}
-        self.next_pos[slot] = position
+        self.next_pos[slot] = position + rows
+        if rows:
+            view = PagedSeqView(self, slot)
+            self.model.step_rows([view] * rows, tokens[:rows], list(range(position, position + rows)),
+                                 np.zeros(rows, bool))
+        return rows
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
         """The MTP block over each request's rows (all requests' rows in one MTP pass), then
@@ -222,8 +232,10 @@ class NumpyBackend:
                 if r.slot not in self.hidden:
                     n = sum(1 for q in rows if q.slot == r.slot)
                     self.hidden[r.slot] = (r.position, streams[i:i + n])
+        self.last_rows = {}  # slot -> (first position, tokens) of its rows in this pass
         for r in rows:
             self.next_pos[r.slot] += 1
+            self.last_rows.setdefault(r.slot, (r.position, []))[1].append(r.token)
         argmax = np.full(len(rows), -1, np.int32)
         argmax[emit] = np.argmax(out, axis=-1)
         emitted = iter(out)

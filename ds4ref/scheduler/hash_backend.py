@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backend import (PAGE_TOKENS, PREFILL_ROWS, DraftRequest, StepPlan, StepResult, check_block_table,
-                       check_draft_requests, check_rows)
+                       check_draft_requests, check_kept_rows, check_rows)
 
 
 class ProtocolError(AssertionError):
@@ -74,14 +74,21 @@ class HashBackend:
             raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
         self.drafted[slot] = self.length[slot]
 
-    def restore_state(self, slot: int, snapshot: int) -> None:
+    def restore_state(self, slot: int, snapshot: int, rows: int = 0) -> int:
         length, carry = self.snapshots[snapshot]
         if length > self.length[slot]:
             raise ProtocolError(f"slot {slot} restores a snapshot at {length}, ahead of its state at "
                                 f"{self.length[slot]}")
+        try:
+            check_kept_rows(slot, length, rows, self.last_rows.get(slot, range(0)))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         self.length[slot], self.carry[slot] = length, carry
         if self._crc(self.history(slot)) != carry:
             raise ProtocolError(f"slot {slot}: the snapshot's state does not match the history in its pages")
+        self.length[slot] += rows  # the kept rows' tokens are in the pages, as they were written
+        self.carry[slot] = self._crc(self.history(slot))
+        return rows
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
         try:

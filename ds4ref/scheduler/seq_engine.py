@@ -485,7 +485,7 @@ class SeqEngine:
             s.fed += w.rows
         else:  # rows past the last accepted one hold a refused draft's state; a finished sequence
             # is put back too, as its tail (prefix cache) is cached at `fed`
-            self.backend.restore_state(s.slot, snap)
+            s.fed += self.backend.restore_state(s.slot, snap, known + accepted)
         s.drafts = []
         return choices
 

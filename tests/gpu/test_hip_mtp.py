@@ -6,7 +6,8 @@ against the NumPy reference, in both numerics (marker gpu):
     slots with several rows each (a 40-row prompt chunk among them: the 64-lane bucket), k up
     to 4, past several sliding windows of the MTP layer;
 (b) restore_state(): save_state, passes across ratio-4 and ratio-128 boundaries, restore_state,
-    then other tokens give the logits of never having fed the first ones; and a slot loaded from
+    then other tokens give the logits of never having fed the first ones; restore_state keeping
+    a round's first rows gives those of having fed only them (hypothesis); and a slot loaded from
     a snapshot (the prefix cache) drafts as the slot it was taken from (the MTP ring travels with it);
 (c) the property behind (a): hypothesis draws slots, row counts and k per round.
 Skipped with the reason when no GPU runtime opens (tests/gpu/conftest.py).
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.backend import DraftRequest, Row, StepPlan
+from tests.test_speculative import draw_kept_rows_case, kept_rows_against_fed_rows, kept_rows_cases
 
 pytestmark = pytest.mark.gpu
 EXAMPLES = int(os.environ.get("DS4REF_GPU_EXAMPLES", "8"))
@@ -194,6 +196,19 @@ def test_restore_state_equals_never_having_fed(model, rt):
     for j, (a, w) in enumerate(zip(got, want)):
         assert_bitwise(a, w, f"[{model.numerics}] position {126 + j} after restore_state")
     b.drop_state(snap)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kept_rows_cases)
+def test_restore_state_keeping_rows_equals_feeding_only_them(model, rt, case):
+    """A round's snapshot, its pass (a 16-lane bucket, which the round log covers), restore_state
+    keeping the accepted rows by committing them again: the slot is as feeding only those rows
+    left it, bit for bit in the logits that follow (tests/test_speculative.py: the reference)."""
+    prompt, detour, keep, other = draw_kept_rows_case(case, model.config.vocab_size)
+    kept, got, want = kept_rows_against_fed_rows(hip(model, rt, n_slots=2, n_pages=6), prompt, detour, keep, other)
+    assert kept == keep
+    for j, (a, w) in enumerate(zip(got, want)):
+        assert_bitwise(a, w, f"[{model.numerics}] row {j} after keeping {keep} of {len(detour)} rows")
 
 
 def test_loaded_snapshot_drafts_as_its_source(model, rt):

@@ -267,6 +267,21 @@ extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long 
     row_put(ring + s * slot_stride + (long long)(p % W) * row_bytes(f), kv + (long long)l * D, f);
 }
 
+// A slot's state that is not in pages, to (to_snapshot = 1) or from (0) a snapshot: the
+// regions (rings, compressor windows) laid end to end, one launch whatever their number.
+// desc holds per region its base address, its bytes a slot (slot s's at s times that) and
+// its offset in the snapshot, all multiples of 4; blockIdx.y is the region.
+extern "C" __global__ void step_slot_copy(const long long* desc, int slot, unsigned* snap, int to_snapshot) {
+    const long long* d = desc + 3 * blockIdx.y;
+    long long words = d[1] / 4;
+    unsigned* live = (unsigned*)d[0] + slot * words;
+    unsigned* copy = snap + d[2] / 4;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (long long)gridDim.x * blockDim.x) {
+        if (to_snapshot) copy[i] = live[i];
+        else live[i] = copy[i];
+    }
+}
+
 // ---- lightning indexer over paged rows ------------------------------------
 
 #define IX_WARPS 8
