@@ -21,6 +21,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "DS4REF_EXPERT_RPW": ("2", "routed-expert rows per warp in decode passes"),
     "DS4REF_PREFILL_EXPERT_RPW": ("4", "routed-expert rows per warp in prompt passes (4 for bf16 only)"),
     "DS4REF_HIP_GRAPH": ("1", "0 runs the HIP pass launch by launch instead of replaying its captured graph"),
+    "DS4REF_PDL": ("0", "1 launches kernels with programmatic dependent launch (NVIDIA sm_90+)"),
     "DS4REF_COMPACT_KV": ("1", "0 keeps official numerics' KV and indexer rows as float32 on the GPU (and in its memory plan)"),
 }
 

@@ -35,6 +35,18 @@ def test_every_kernel_parses(name):
         assert all(p.pointer or p.scalar is not None for p in sig.params)
 
 
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_every_kernel_waits_for_the_one_before_it_first(name):
+    """runtime.py launches every kernel with programmatic dependent launch on sm_90+, so a kernel
+    may start while the one before it in the stream runs: each body must open with
+    DS4_KERNEL_ENTRY (its griddepcontrol.wait) before it reads or writes anything."""
+    text = load_source(name).replace("\\\n", " ")
+    bodies = [text[m.end():] for m in re.finditer(r'extern "C" __global__[^{]*\{', text)]
+    assert bodies and all(b.lstrip().startswith("DS4_KERNEL_ENTRY;") for b in bodies), \
+        [b.lstrip()[:60] for b in bodies if not b.lstrip().startswith("DS4_KERNEL_ENTRY;")]
+    assert "griddepcontrol.wait" in load_source(name)  # the header's definition is inlined
+
+
 def test_parses_the_forms_the_kernels_use():
     src = r'''
     typedef unsigned long long my_u64;

@@ -49,8 +49,8 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import DeviceMemoryError, open_device
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
-from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width, rope_positions,
-                        round_log_lanes, score_capacity, shared_q8_inputs, workspace_sizes)
+from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width,
+                        rope_positions, round_log_lanes, score_capacity, shared_q8_inputs, workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a

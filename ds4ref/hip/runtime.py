@@ -286,6 +286,15 @@ class CudaRuntime(Runtime):
                                get(attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, "warp size"),
                                get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count"))
         self.stream = self._check(d.cuStreamCreate(1), "cuStreamCreate")  # 1 = non-blocking
+        # Programmatic dependent launch (sm_90+, ds4_hip.h's DS4_KERNEL_ENTRY): a kernel's blocks
+        # may be scheduled while the one before it runs, and wait for it before reading anything
+        self.pdl = major >= 9 and getenv("DS4REF_PDL") == "1"
+        self._pdl_attrs = []
+        if self.pdl:
+            a = d.CUlaunchAttribute()
+            a.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            self._pdl_attrs = [a]
 
     def _make_current(self) -> None:
         self._check(self.drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
@@ -372,6 +381,14 @@ class CudaRuntime(Runtime):
         b = tuple(block) + (1,) * (3 - len(block))
         kernel = launch_handle(kernel, args)
         ptrs, _holders = pack_args(args)  # _holders keep the values alive through the call
+        if self.pdl:
+            c = self.drv.CUlaunchConfig()
+            c.gridDimX, c.gridDimY, c.gridDimZ = g
+            c.blockDimX, c.blockDimY, c.blockDimZ = b
+            c.sharedMemBytes, c.hStream = int(shared), stream or self.stream
+            c.attrs, c.numAttrs = self._pdl_attrs, 1
+            self._check(self.drv.cuLaunchKernelEx(c, kernel, ptrs.ctypes.data, 0), "cuLaunchKernelEx")
+            return
         self._check(self.drv.cuLaunchKernel(kernel, *g, *b, int(shared), stream or self.stream,
                                             ptrs.ctypes.data, 0), "cuLaunchKernel")
 

@@ -151,8 +151,9 @@ def table(plan: MemoryPlan, available: str) -> str:
             ("paged history", plan.paged,
              f"{plan.n_pages} pages x {lay.page_bytes(plan.storage):,} B ({plan.storage} KV rows)"),
             ("per-slot state", plan.slots, f"{plan.lanes} lanes x {plan.per_slot:,} B"),
-            *([("pass workspace", plan.workspace, f"the {plan.workspace_rows}-row pass's buffers, the round "
-                                                  f"log, RoPE tables, block tables, lane fields")] if plan.workspace else []),
+            *([("pass workspace", plan.workspace,
+                f"the {plan.workspace_rows}-row pass's buffers, the round log, RoPE tables, block tables, "
+                f"lane fields")] if plan.workspace else []),
             *([("prefix cache", plan.snapshot_bytes, f"at most {plan.snapshots} snapshots x "
                                                      f"{plan.per_slot + plan.mtp_slot:,} B; "
                                                      f"cached pages are the pool's own")] if plan.snapshots else []),

@@ -34,6 +34,20 @@ typedef unsigned long long ds4_u64;
 #define DS4_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src), DS4_WARP)
 #endif
 
+// Every kernel body starts with DS4_KERNEL_ENTRY. On NVIDIA sm_90 and later a kernel launched
+// with programmatic stream serialization (runtime.py, DS4REF_PDL) may start before the kernel
+// ahead of it in the stream has finished: griddepcontrol.wait holds it, before it reads anything,
+// until that kernel has finished and its writes are visible; launch_dependents then lets the
+// next kernel's blocks be scheduled while this one runs. Only launch latency moves: every kernel
+// still reads what the one before it wrote, so no result changes. Elsewhere it is empty.
+#if !DS4_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DS4_KERNEL_ENTRY                                    \
+    asm volatile("griddepcontrol.wait;" ::: "memory");     \
+    asm volatile("griddepcontrol.launch_dependents;")
+#else
+#define DS4_KERNEL_ENTRY
+#endif
+
 #define DS4_INF (__int_as_float(0x7f800000))
 #define DS4_NAN (__int_as_float(0x7fc00000))
 
