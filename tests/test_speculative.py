@@ -166,6 +166,32 @@ def test_tiny_model_speculation_is_exact(tiny, k, seed, n, cache):
         assert eng.scheduler.stats()["spec_rounds"] > 0
 
 
+def test_tiny_model_speculation_survives_preemption_and_cancellation(tiny):
+    """The tiny model on NumpyBackend, requests decoding across the 128-token window and past
+    their reserved pages in a pool of 4 pages, so decoding preempts (the youngest is recomputed,
+    its drafts dropped), and one is cancelled while it decodes. With MTP drafts (every round
+    rolls back) and an oracle: every request not cancelled gets plain decoding's tokens, logprobs
+    and finish; the cancelled one a prefix of its plain tokens."""
+    sampled = Sampling(temperature=0.8, seed=3, logprobs=2)
+    shapes = ((100, 170), (90, 170), (40, 30), (30, 60))
+    reqs = lambda: [Request([(17 * i + 5 * j) % 500 + 2 for i in range(n)], m, ignore_eos=True, req_id=1000 + j,  # noqa
+                            sampling=sampled if j == 1 else Sampling()) for j, (n, m) in enumerate(shapes)]
+    kw = dict(max_concurrency=3, kv_pool_tokens=4 * 128)
+    plain = Engine(tiny, **kw)
+    plain.run(reqs())
+    want, want_fin = trace(plain, len(shapes))
+    truth = {1000 + i: [t for t, _, _ in e] for i, e in enumerate(want)}
+    # the pass to cancel at: while request 3 decodes (passes 184-243 with MTP drafts, 63-85 with the oracle)
+    for drafter, cancel in ((None, 200), (OracleDrafter(truth, 0.8, tiny.config.vocab_size, 1), 70)):
+        eng = Engine(tiny, speculative_tokens=3, drafter=drafter, spec_min_rate=0.0, **kw)
+        eng.run(reqs(), cancel_at={3: cancel})
+        got, fin = trace(eng, len(shapes))
+        stats = eng.scheduler.stats()
+        assert stats["preemptions"] > 0 and stats["spec_rounds"] > 0
+        assert fin[3][0] == "cancelled" and 0 < len(got[3]) < 60 and got[3] == want[3][:len(got[3])]
+        assert (got[:3], fin[:3]) == (want[:3], want_fin[:3])
+
+
 @pytest.mark.parametrize("rows", [4, 6, 9])
 def test_drafts_never_overfill_a_tight_pass(rows):
     """Four lanes in passes of `rows` rows: drafts only take rows that leave every prompt one and

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import ds4ref
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler.engine import Engine
-from ds4ref.scheduler.request import Request, Sampling, TokenEvent
+from ds4ref.scheduler.request import FinishEvent, Request, Sampling, TokenEvent
 from ds4ref.scheduler.speculative import OracleDrafter
 
 pytestmark = pytest.mark.gpu
@@ -63,3 +63,41 @@ def test_speculation_on_the_device_changes_no_bit(model, rt, k, seed, n, cache, 
     eng.run(reqs())
     assert trace(eng, ids) == want
     assert eng.scheduler.stats()["spec_rounds"] > 0
+
+
+def test_preemption_and_cancellation_on_the_device(model, rt):
+    """tests/test_speculative.py's preemption and cancellation case, the HIP backend speculating
+    (MTP drafts on the device, and an oracle) against plain decoding on the reference: requests
+    decoding past their reserved pages in a pool of 4 pages (a preemption), one cancelled while
+    it decodes."""
+    from ds4ref.hip.backend import HipBackend
+    sampled = Sampling(temperature=0.8, seed=3, logprobs=2)
+    shapes = ((100, 170), (90, 170), (40, 30), (30, 60))
+    ids = [1000 + j for j in range(len(shapes))]
+
+    def reqs():
+        return [Request([(17 * i + 5 * j) % 500 + 2 for i in range(n)], m, ignore_eos=True, req_id=1000 + j,
+                        sampling=sampled if j == 1 else Sampling()) for j, (n, m) in enumerate(shapes)]
+    kw = dict(max_concurrency=3, kv_pool_tokens=4 * 128)
+    plain = Engine(model, backend=NumpyBackend(model.reference), **kw)
+    plain.run(reqs())
+    want, want_fin = trace(plain, ids)
+    truth = {i: [t for t, _, _ in want[i]] for i in ids}
+    for drafter in (None, OracleDrafter(truth, 0.8, model.config.vocab_size, 1)):
+        eng = Engine(model, backend=HipBackend(model.reference, runtime=rt, mtp=model.mtp), speculative_tokens=3,
+                     drafter=drafter, spec_min_rate=0.0, **kw)
+        sch, cancelled = eng.scheduler, False
+        for r in reqs():
+            sch.submit(r)
+        while sch.stats()["running"] or sch.stats()["waiting"]:
+            events = sch.step()
+            eng.events += events  # trace() reads them
+            if not cancelled and any(isinstance(e, TokenEvent) and e.req_id == 1003 for e in events):
+                sch.cancel(1003)  # while it decodes, whichever pass that is here
+                cancelled = True
+        eng.finishes = [e for e in eng.events if isinstance(e, FinishEvent)]
+        got, fin = trace(eng, ids)
+        assert sch.stats()["preemptions"] > 0 and sch.stats()["spec_rounds"] > 0
+        assert {f[0]: f[1] for f in fin}[1003] == "cancelled" and got[1003] == want[1003][:len(got[1003])]
+        assert all(got[i] == want[i] for i in ids[:3]) and [f for f in fin if f[0] != 1003] == \
+            [f for f in want_fin if f[0] != 1003]

@@ -19,7 +19,8 @@ __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
 // Rows x (rows, ldx floats apart), K columns each: xq (rows, K) int8, dx (rows, K/32) and the
 // half sums xs (rows, K/16), one thread per element and one warp per block (ds4_q8.h).
 extern "C" __global__ void ds4_quantize_q8(const float* __restrict__ x, long long ldx, int K, int rows,
-                                           ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) { DS4_KERNEL_ENTRY;
+                                           ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
+    DS4_KERNEL_ENTRY;
     long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= (long long)rows * K) return;  // K % 32 == 0: a warp's lanes leave together
     long long r = e / K;

@@ -16,7 +16,8 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
                                              const float* __restrict__ base, const float* __restrict__ scale,
                                              int hc, int d, float rms_eps, float hc_eps, int iters, int cols,
                                              float* __restrict__ u, float* __restrict__ post,
-                                             float* __restrict__ comb) { DS4_KERNEL_ENTRY;
+                                             float* __restrict__ comb) {
+    DS4_KERNEL_ENTRY;
     __shared__ float scratch[32];
     __shared__ float pre_s[HC_MAX];
     int n = blockIdx.x;
@@ -120,7 +121,8 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
 // out[n, j, e] = post[n, j] * y[n, e] + sum_i comb[n, i, j] * streams[n, i, e] (i in order).
 extern "C" __global__ void ds4_hc_post(const float* __restrict__ streams, const float* __restrict__ y,
                                        const float* __restrict__ post, const float* __restrict__ comb,
-                                       float* __restrict__ out, int N, int hc, int d) { DS4_KERNEL_ENTRY;
+                                       float* __restrict__ out, int N, int hc, int d) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)N * hc * d) return;
     int e = (int)(idx % d);

@@ -37,7 +37,8 @@ __device__ __forceinline__ int ix_block_scan(int v, int* scratch, int* total) {
 // order) finds the k-th key T; a final pass in index order keeps every key > T and
 // the lowest-indexed keys == T until k are taken.
 extern "C" __global__ void ds4_topk(const float* __restrict__ scores, const int* __restrict__ n_valid,
-                                    int ld, int k, int* __restrict__ out) { DS4_KERNEL_ENTRY;
+                                    int ld, int k, int* __restrict__ out) {
+    DS4_KERNEL_ENTRY;
     __shared__ ds4_u32 hist[256];
     __shared__ ds4_u32 sh_prefix;
     __shared__ int sh_need;

@@ -98,7 +98,8 @@ __device__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int
 }
 
 extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, float* __restrict__ y, int N, int L,
-                                            int ldy, int nsplit, const int* lane_slot) { DS4_KERNEL_ENTRY;
+                                            int ldy, int nsplit, const int* lane_slot) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int a = (int)(idx / N), r = (int)(idx % N);
     if (a >= L || (lane_slot && lane_slot[a] < 0)) return;  // padding lanes sit after the rows
@@ -111,12 +112,14 @@ extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, floa
 #define DS4_MATVEC3(NAME, WT, R, U)                                                                \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
         NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,     \
-             int ldy, long long gs, const int* lane_slot) { DS4_KERNEL_ENTRY;                                        \
+             int ldy, long long gs, const int* lane_slot) {                                        \
+        DS4_KERNEL_ENTRY;                                                                          \
         mv3_body<WT, R, U>(W, x, y, N, K, L, ldx, xg, ldy, gs, lane_slot);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
         NAME##_ks(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,     \
-                  const int* lane_slot, int KS) { DS4_KERNEL_ENTRY;                                                  \
+                  const int* lane_slot, int KS) {                                                  \
+        DS4_KERNEL_ENTRY;                                                                          \
         mv3_split_body<WT, R, U>(W, x, part, N, K, L, ldx, lane_slot, KS);                         \
     }
 

@@ -12,7 +12,8 @@
 // expert sum has one fixed order.
 extern "C" __global__ void ds4_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                      const int* __restrict__ hash_ids, int E, int k, float scale,
-                                     int normalise, int* __restrict__ ids, float* __restrict__ w) { DS4_KERNEL_ENTRY;
+                                     int normalise, int* __restrict__ ids, float* __restrict__ w) {
+    DS4_KERNEL_ENTRY;
     __shared__ float s[RT_MAXE];
     __shared__ float sel[RT_MAXE];
     __shared__ ds4_u8 chosen[RT_MAXE];
@@ -77,7 +78,8 @@ __device__ __forceinline__ float swiglu_act(float g, float u, float clamp) {
 }
 
 extern "C" __global__ void ds4_swiglu_act(const float* __restrict__ g, const float* __restrict__ u,
-                                          float* __restrict__ h, long long n, float clamp) { DS4_KERNEL_ENTRY;
+                                          float* __restrict__ h, long long n, float clamp) {
+    DS4_KERNEL_ENTRY;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     h[i] = swiglu_act(g[i], u[i], clamp);
@@ -89,7 +91,8 @@ extern "C" __global__ void ds4_swiglu_act(const float* __restrict__ g, const flo
 extern "C" __global__ void ds4_swiglu_act_q8(const float* __restrict__ g, const float* __restrict__ u,
                                              float* __restrict__ h, long long n_blocks, float clamp,
                                              ds4_i8* __restrict__ xq, float* __restrict__ dx,
-                                             short* __restrict__ xs) { DS4_KERNEL_ENTRY;
+                                             short* __restrict__ xs) {
+    DS4_KERNEL_ENTRY;
     long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n_blocks * QB) return;  // a warp's lanes leave together
     float v = swiglu_act(g[e], u[e], clamp);
@@ -106,7 +109,8 @@ __device__ __forceinline__ void am_pick(float& bv, int& bi, float v, int i) {
 
 // lane_slot (or null): rows whose entry is negative are padding and are skipped.
 extern "C" __global__ void ds4_argmax(const float* __restrict__ x, int V, int* __restrict__ out,
-                                      const int* __restrict__ lane_slot) { DS4_KERNEL_ENTRY;
+                                      const int* __restrict__ lane_slot) {
+    DS4_KERNEL_ENTRY;
     __shared__ float sv[32];
     __shared__ int si[32];
     if (lane_slot && lane_slot[blockIdx.x] < 0) return;

@@ -15,7 +15,8 @@ __device__ __forceinline__ float rms_den(const float* __restrict__ xr, int D, fl
 
 extern "C" __global__ void ds4_rmsnorm(const float* __restrict__ x, const float* __restrict__ w,
                                        float* __restrict__ y, int D, float eps, const int* lane_slot,
-                                       int rows_per_lane) { DS4_KERNEL_ENTRY;
+                                       int rows_per_lane) {
+    DS4_KERNEL_ENTRY;
     __shared__ float scratch[32];
     if (lane_slot && lane_slot[blockIdx.x / rows_per_lane] < 0) return;
     const float* xr = x + (long long)blockIdx.x * D;
@@ -36,7 +37,8 @@ extern "C" __global__ void ds4_rmsnorm(const float* __restrict__ x, const float*
 // walking D / 256 blocks a warp, each a chain of shuffles.
 extern "C" __global__ void ds4_rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w,
                                           float* __restrict__ y, int D, float eps, const int* lane_slot,
-                                          ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) { DS4_KERNEL_ENTRY;
+                                          ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
+    DS4_KERNEL_ENTRY;
     __shared__ float scratch[32];
     if (lane_slot && lane_slot[blockIdx.x] < 0) return;
     long long n = blockIdx.x;
@@ -63,7 +65,8 @@ extern "C" __global__ void ds4_rmsnorm_q8(const float* __restrict__ x, const flo
 extern "C" __global__ void ds4_norm_rope(const float* __restrict__ x, const float* __restrict__ w,
                                          float* __restrict__ y, int D, float eps, const int* lane_slot,
                                          int rows_per_lane, const int* pos, const float* cs, int half,
-                                         int inverse, int fp8) { DS4_KERNEL_ENTRY;
+                                         int inverse, int fp8) {
+    DS4_KERNEL_ENTRY;
     __shared__ float scratch[32];
     int l = blockIdx.x / rows_per_lane;
     if (lane_slot && lane_slot[l] < 0) return;

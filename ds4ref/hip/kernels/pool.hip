@@ -16,7 +16,8 @@
 
 // Grid (ceil(D / PW_CH), R), PW_CH * PW_PARTS threads.
 extern "C" __global__ void ds4_pool_window(const float* __restrict__ kv, const float* __restrict__ score,
-                                           float* __restrict__ out, int R, int C, int D) { DS4_KERNEL_ENTRY;
+                                           float* __restrict__ out, int R, int C, int D) {
+    DS4_KERNEL_ENTRY;
     __shared__ float se[PW_CC][PW_CH];
     __shared__ float sp[PW_CC][PW_CH];
     __shared__ float smx[PW_PARTS][PW_CH];

@@ -179,7 +179,8 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
 #define DS4_QMATVEC(NAME, WT, R)                                                                      \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, MQ_MIN_BLOCKS)                              \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
-             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) { DS4_KERNEL_ENTRY;          \
+             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
+        DS4_KERNEL_ENTRY;                                                                                 \
         mq_body<WT, R>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                      \
     }
 
@@ -238,7 +239,8 @@ __device__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8
 #define DS4_QEXPERTS(NAME, WT, R)                                                                     \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, MQ_MIN_BLOCKS)                              \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,          \
-             int x_per_choice, const int* list, float* y, int N, int K, int kk) { DS4_KERNEL_ENTRY;                        \
+             int x_per_choice, const int* list, float* y, int N, int K, int kk) {                        \
+        DS4_KERNEL_ENTRY;                                                                                \
         qx_body<WT, R>(W, rb, xq, dx, xs, x_per_choice, list, y, N, K, kk);                              \
     }
 

@@ -212,7 +212,8 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
 #define DS4_QGEMM(NAME, WT)                                                                           \
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 1)                             \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
-             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) { DS4_KERNEL_ENTRY;          \
+             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
+        DS4_KERNEL_ENTRY;                                                                                 \
         qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                         \
     }
 

@@ -11,7 +11,8 @@
 // every step, where h's rows would put each on its own line.
 extern "C" __global__ void ds4_qat_rows(const float* __restrict__ v, const float* __restrict__ ht,
                                         float* __restrict__ out, int R, int n, const int* lane_slot,
-                                        int rows_per_lane) { DS4_KERNEL_ENTRY;
+                                        int rows_per_lane) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)R * n) return;  // whole warps leave together: the shuffles below stay full
     int row = (int)(idx / n), j = (int)(idx % n);

@@ -30,7 +30,8 @@ __device__ __forceinline__ float so_elem(const ds4_u8* row, int wt, int i) {
 }
 
 // streams[l, h, :] = E[tok[l], :] for every hyper-connection stream h. Grid (L).
-extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, const int* tok, float* streams) { DS4_KERNEL_ENTRY;
+extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, const int* tok, float* streams) {
+    DS4_KERNEL_ENTRY;
     int l = blockIdx.x;
     const ds4_u8* row = E + (long long)tok[l] * so_row_bytes(wt, d);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -42,7 +43,8 @@ extern "C" __global__ void step_embed(const ds4_u8* E, int wt, int d, int hc, co
 // In-place RoPE of the last 2*half dims of rows (L * rows_per_lane, D), interleaved
 // pairs, with cos/sin read from the host's table cs[pos][p] = (cos, sin) (canon.rope_cos_sin).
 extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* cs, int L, int rows_per_lane,
-                                         int D, int half, int inverse) { DS4_KERNEL_ENTRY;
+                                         int D, int half, int inverse) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)L * rows_per_lane * half) return;
     int p = (int)(idx % half);
@@ -57,7 +59,8 @@ extern "C" __global__ void step_rope_pos(float* v, const int* pos, const float* 
 }
 
 // Hash routing: ids[l, t] = tid2eid[tok[l], t].
-extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int L, int k, int* ids) { DS4_KERNEL_ENTRY;
+extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int L, int k, int* ids) {
+    DS4_KERNEL_ENTRY;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= L * k) return;
     ids[i] = tid2eid[(long long)tok[i / k] * k + i % k];
@@ -97,7 +100,8 @@ __device__ __forceinline__ bool el_first_choice(const int* __restrict__ ids, con
 }
 
 extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int L,
-                                            int kk, int E, int* __restrict__ list) { DS4_KERNEL_ENTRY;
+                                            int kk, int E, int* __restrict__ list) {
+    DS4_KERNEL_ENTRY;
     __shared__ unsigned bits[EL_BITS];  // bits[e * W + w] bit b: lane 32 w + b chose e
     __shared__ int cnt[EL_EXPERTS], first[EL_EXPERTS], wsum[32];
     int W = (L + 31) / 32, tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
@@ -184,7 +188,8 @@ __device__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__
 #define STEP_EXPERTS3(NAME, WT, R, U)                                                                 \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                               \
         NAME(const ds4_u8* W, const float* x, int x_per_choice, const int* list, float* y, int N,    \
-             int K, int kk) { DS4_KERNEL_ENTRY;                                                                         \
+             int K, int kk) {                                                                         \
+        DS4_KERNEL_ENTRY;                                                                             \
         ex3_body<WT, R, U>(W, x, x_per_choice, list, y, N, K, kk);                                    \
     }
 
@@ -208,7 +213,8 @@ STEP_EXPERTS3(step_experts3_mxfp4_r2, WT_MXFP4, 2, MV3_U_LOWBIT)
 
 // y[l] = sum_t w[l, t] * down[l, t] (t ascending = expert ids ascending) + shared[l].
 extern "C" __global__ void step_moe_combine(const float* down, const float* w, const float* shared, float* y,
-                                            int L, int kk, int d) { DS4_KERNEL_ENTRY;
+                                            int L, int kk, int d) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)L * d) return;
     int l = (int)(idx / d), e = (int)(idx % d);
@@ -222,7 +228,8 @@ extern "C" __global__ void step_moe_combine(const float* down, const float* w, c
 // Rows with from[l] < 0 (no row to emit) are skipped.
 extern "C" __global__ void step_hc_head(const float* streams, const float* mix, const float* base,
                                         const float* scale, int hc, int d, float rms_eps, float hc_eps,
-                                        const int* from, float* out) { DS4_KERNEL_ENTRY;
+                                        const int* from, float* out) {
+    DS4_KERNEL_ENTRY;
     __shared__ float scratch[32];
     __shared__ float pre[16];
     int l = blockIdx.x;
@@ -246,7 +253,8 @@ extern "C" __global__ void step_hc_head(const float* streams, const float* mix, 
 // input streams, h_proj of each stream plus the lane's one e_proj row (reference/mtp.py adds
 // them in this order). Grid over L * hc * d.
 extern "C" __global__ void step_add_rows(const float* __restrict__ a, const float* __restrict__ b,
-                                         float* __restrict__ out, int L, int hc, int d) { DS4_KERNEL_ENTRY;
+                                         float* __restrict__ out, int L, int hc, int d) {
+    DS4_KERNEL_ENTRY;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)L * hc * d) return;
     long long l = idx / ((long long)hc * d);
@@ -256,7 +264,8 @@ extern "C" __global__ void step_add_rows(const float* __restrict__ a, const floa
 // dst[e] = src[from[e]] for the rows e < L with from[e] >= 0 (n floats a row): the rows
 // that emit, gathered to the front so the head runs on as many lane groups as emit.
 extern "C" __global__ void step_gather_rows(const float* __restrict__ src, const int* __restrict__ from,
-                                            float* __restrict__ dst, int n) { DS4_KERNEL_ENTRY;
+                                            float* __restrict__ dst, int n) {
+    DS4_KERNEL_ENTRY;
     int e = blockIdx.x, l = from[e];
     if (l < 0) return;
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[(long long)e * n + i] = src[(long long)l * n + i];
@@ -272,7 +281,8 @@ __device__ __forceinline__ ds4_u64 so_mix(ds4_u64 z) {  // splitmix64's finalise
 // so_mix(seed + i) % n_tmpl of a host-made template of valid rows (so every block is one
 // the host's quantiser or random_blocks wrote). Rows are row_words 32-bit words.
 extern "C" __global__ void step_tile_rows(ds4_u32* out, long long rows, int row_words, const ds4_u32* tmpl,
-                                          int n_tmpl, ds4_u64 seed) { DS4_KERNEL_ENTRY;
+                                          int n_tmpl, ds4_u64 seed) {
+    DS4_KERNEL_ENTRY;
     long long n = rows * row_words;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -284,7 +294,8 @@ extern "C" __global__ void step_tile_rows(ds4_u32* out, long long rows, int row_
 
 // Benchmark weights made on the device: uniform in [-scale, scale) from a counter
 // hash, rounded to bf16 (nearest even).
-extern "C" __global__ void step_init_bf16(ds4_u16* out, long long n, ds4_u64 seed, float scale) { DS4_KERNEL_ENTRY;
+extern "C" __global__ void step_init_bf16(ds4_u16* out, long long n, ds4_u64 seed, float scale) {
+    DS4_KERNEL_ENTRY;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     for (; i < n; i += (long long)gridDim.x * blockDim.x) {
         ds4_u64 z = seed + (ds4_u64)i * 0x9E3779B97F4A7C15ull;

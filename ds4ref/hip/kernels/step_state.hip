@@ -171,7 +171,8 @@ extern "C" __global__ void step_comp_gather(const float* proj_kv, const float* p
                                             const float* prev_sc, int ratio, int D, int coff, int L,
                                             const int* slot, const int* pos, const int* pstart,
                                             const int* flane, float* cand_kv, float* cand_sc,
-                                            float* nprev_kv, float* nprev_sc, int* emit_pos) { DS4_KERNEL_ENTRY;
+                                            float* nprev_kv, float* nprev_sc, int* emit_pos) {
+    DS4_KERNEL_ENTRY;
     CompArgs a = {proj_kv, proj_sc, ape, cur_kv, cur_sc, ratio, coff * D};
     int C = ratio == 4 ? 8 : ratio;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -215,7 +216,8 @@ extern "C" __global__ void step_comp_gather(const float* proj_kv, const float* p
 // Store the finished compressed row of each emitting lane at row index pos/ratio of
 // its slot's pages: page = block_table[slot][idx / per], offset idx % per.
 extern "C" __global__ void step_comp_store(const float* rows, ds4_u8* store, const int* btab, int maxp, int per,
-                                           int ratio, int D, int kind, int nrot, const int* slot, const int* pos) { DS4_KERNEL_ENTRY;
+                                           int ratio, int D, int kind, int nrot, const int* slot, const int* pos) {
+    DS4_KERNEL_ENTRY;
     int l = blockIdx.x;
     int s = slot[l], p = pos[l];
     if (s < 0 || (p + 1) % ratio) return;
@@ -233,7 +235,8 @@ extern "C" __global__ void step_comp_commit(const float* proj_kv, const float* p
                                             float* cur_kv, float* cur_sc, const float* nprev_kv,
                                             const float* nprev_sc, float* prev_kv, float* prev_sc, int ratio,
                                             int D, int coff, int L, const int* slot, const int* pos,
-                                            const int* last) { DS4_KERNEL_ENTRY;
+                                            const int* last) {
+    DS4_KERNEL_ENTRY;
     int CW = coff * D;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)L * CW) return;
@@ -259,7 +262,8 @@ extern "C" __global__ void step_comp_commit(const float* proj_kv, const float* p
 // Raw window ring: ring[slot][pos % W] = kv of the lane, for the last W positions of
 // the slot in this pass. ring points at this layer's rows; slot stride in bytes.
 extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long long slot_stride, int W, int D,
-                                            int kind, int nrot, const int* slot, const int* pos, const int* last) { DS4_KERNEL_ENTRY;
+                                            int kind, int nrot, const int* slot, const int* pos, const int* last) {
+    DS4_KERNEL_ENTRY;
     int l = blockIdx.x;
     int s = slot[l], p = pos[l];
     if (s < 0 || p <= last[l] - W) return;
@@ -271,7 +275,8 @@ extern "C" __global__ void step_ring_commit(const float* kv, ds4_u8* ring, long 
 // regions (rings, compressor windows) laid end to end, one launch whatever their number.
 // desc holds per region its base address, its bytes a slot (slot s's at s times that) and
 // its offset in the snapshot, all multiples of 4; blockIdx.y is the region.
-extern "C" __global__ void step_slot_copy(const long long* desc, int slot, unsigned* snap, int to_snapshot) { DS4_KERNEL_ENTRY;
+extern "C" __global__ void step_slot_copy(const long long* desc, int slot, unsigned* snap, int to_snapshot) {
+    DS4_KERNEL_ENTRY;
     const long long* d = desc + 3 * blockIdx.y;
     long long words = d[1] / 4;
     unsigned* live = (unsigned*)d[0] + slot * words;
@@ -294,7 +299,8 @@ extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
 step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw, float scale,
                    const ds4_u8* __restrict__ store, int kind, const int* __restrict__ btab, int maxp, int per,
                    const int* __restrict__ slot, const int* __restrict__ nvis, float* __restrict__ out,
-                   int Hi, int Di, int ncap) { DS4_KERNEL_ENTRY;
+                   int Hi, int Di, int ncap) {
+    DS4_KERNEL_ENTRY;
     __shared__ __align__(16) float qs[IX_QMAX];
     __shared__ float ws[64 * 4];
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
@@ -436,7 +442,8 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
                      const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel, int ksel,
                      const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
                      int H, int D, int W, float scale, float* __restrict__ part_m,
-                     float* __restrict__ part_den, float* __restrict__ part_acc) { DS4_KERNEL_ENTRY;
+                     float* __restrict__ part_den, float* __restrict__ part_acc) {
+    DS4_KERNEL_ENTRY;
     __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
     __shared__ const ds4_u8* krow[AT3_SPLIT];
     __shared__ int kkind[AT3_SPLIT];
@@ -557,7 +564,8 @@ step_attention_combine(const float* __restrict__ part_m, const float* __restrict
                        const int* slot, const int* pos, const ds4_u8* store,
                        const int* nvis, const int* sel, int ksel, int W, int H, int D,
                        int nz, float* __restrict__ out, const float* cs, int half,
-                       ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) { DS4_KERNEL_ENTRY;
+                       ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
+    DS4_KERNEL_ENTRY;
     __shared__ float wz[AT_CZ];
     int h = blockIdx.x, l = blockIdx.y;
     int s = slot[l];
