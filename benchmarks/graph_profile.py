@@ -26,8 +26,29 @@ from decode_gpu import bench_case, make_model  # noqa: E402
 from prefill_gpu import feed_prompt  # noqa: E402
 
 
-def cupti_profile(rt, graph, reps: int) -> tuple[dict[str, tuple[int, float]], float]:
-    """{kernel: (launches per pass, µs per pass)} and the pass's wall µs, over reps replays."""
+def op_label(op) -> str:
+    """A recorded launch as the per-op table names it: the kernel and its grid (which tells a
+    matrix's rows, groups and lane groups apart)."""
+    kernel, grid, *_ = op
+    return f"{kernel.name} {'x'.join(str(g) for g in grid)}"
+
+
+def by_op(durations: list[float], ops, reps: int) -> dict[str, tuple[int, float]]:
+    """{label: (launches per pass, µs per pass)} from the kernel times of `reps` replays in the
+    order they ran: a captured pass runs its recorded launches in order, one kernel each."""
+    if len(durations) != reps * len(ops):
+        raise ValueError(f"{len(durations)} kernel times for {reps} replays of {len(ops)} launches")
+    out: dict[str, list] = {}
+    for i, us in enumerate(durations):
+        n = out.setdefault(op_label(ops[i % len(ops)]), [0, 0.0])
+        n[0] += 1
+        n[1] += us
+    return {k: (round(v[0] / reps), v[1] / reps) for k, v in out.items()}
+
+
+def cupti_profile(rt, graph, reps: int, ops=None) -> tuple[dict[str, tuple[int, float]], float]:
+    """{kernel: (launches per pass, µs per pass)} and the pass's wall µs, over reps replays;
+    with ops (the pass's recorded launches), keyed by op_label instead of by kernel name."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -43,10 +64,12 @@ def cupti_profile(rt, graph, reps: int) -> tuple[dict[str, tuple[int, float]], f
         rt.synchronize()
         torch.cuda.synchronize()
     wall = rt.elapsed_ms(e0, e1) * 1e3 / reps
+    kernels = [ev for ev in prof.events() if ev.device_type.name == "CUDA" and ev.device_time > 0]
+    if ops is not None:
+        kernels.sort(key=lambda ev: ev.time_range.start)
+        return by_op([ev.device_time for ev in kernels], ops, reps), wall
     per: dict[str, list] = {}
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA" or ev.device_time <= 0:
-            continue
+    for ev in kernels:
         n = per.setdefault(ev.name, [0, 0.0])
         n[0] += 1
         n[1] += ev.device_time
@@ -74,6 +97,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default="graph_profile.md")
+    ap.add_argument("--by-op", action="store_true",
+                    help="one row per launch shape (kernel and grid) instead of per kernel")
     args = ap.parse_args()
     from ds4ref.hip.backend import HipBackend
     rt, cfg, dw, model, what = make_model(args.full)
@@ -83,14 +108,17 @@ def main() -> None:
     lines = [f"{what}; {rt.info.name}; CUPTI kernel times inside the graph replay, mean of {args.reps} replays", ""]
     for C in [int(c) for c in args.lanes.split(",")]:
         bench_case(backend, cfg, C, args.ctx, 2)
-        kernels, wall = cupti_profile(rt, backend._graphs[backend.bucket(C)], args.reps)
+        L = backend.bucket(C)
+        kernels, wall = cupti_profile(rt, backend._graphs[L], args.reps,
+                                      backend.programs[L].ops if args.by_op else None)
         lines += table(f"decode, C = {C}, context {args.ctx}", kernels, wall, args.top)
         print("\n".join(lines[-args.top - 6:]), flush=True)
     if args.prompt:
         for s in range(16):
             backend.reset_slot(s)
         feed_prompt(backend, cfg, 0, args.prompt, backend.max_pass_rows, seed=3)
-        kernels, wall = cupti_profile(rt, backend._graphs[backend.max_pass_rows], args.reps)
+        L = backend.max_pass_rows
+        kernels, wall = cupti_profile(rt, backend._graphs[L], args.reps, backend.programs[L].ops if args.by_op else None)
         lines += table(f"prompt pass, {backend.max_pass_rows} rows (last of a {args.prompt}-token prompt)",
                        kernels, wall, args.top)
         print("\n".join(lines[-args.top - 6:]), flush=True)

@@ -428,3 +428,29 @@ def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
             if gs != n:
                 joint.append(gs)
         assert len(joint) == len(dw.joints) and set(joint) <= strides
+
+
+def test_graph_profile_maps_kernel_times_to_the_recorded_launches(rt):
+    """benchmarks/graph_profile.py --by-op: the kernel times of a replayed pass, in the order they
+    ran, are the recorded launches' in order, so each launch shape (kernel and grid) gets the
+    times of its own launches, and a count that is not replays x launches is refused."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_profile.py"
+    spec = importlib.util.spec_from_file_location("graph_profile", path)
+    gp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gp)
+    from ds4ref import load
+    b = HipBackend(load(numerics="official").reference, runtime=rt)
+    b.configure(4, 16)
+    ops = b.programs[16].ops
+    times = [float(i % len(ops)) for i in range(3 * len(ops))]  # launch i takes i µs, every replay
+    table = gp.by_op(times, ops, 3)
+    assert sum(n for n, _ in table.values()) == len(ops)
+    want: dict[str, float] = {}
+    for i, op in enumerate(ops):
+        want[gp.op_label(op)] = want.get(gp.op_label(op), 0.0) + i
+    assert {k: us for k, (_, us) in table.items()} == want
+    assert any(k.startswith("step_ring_commit ") for k in table)
+    with pytest.raises(ValueError, match="kernel times"):
+        gp.by_op(times[:-1], ops, 3)
