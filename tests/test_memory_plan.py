@@ -137,11 +137,13 @@ def test_dry_run_refuses_a_plan_over_the_budget(no_tensor_data, capsys):
     assert "total" in out  # the table still shows what it would take
     (line,) = err.strip().splitlines()
     # 14.7 MiB of weights (the MTP block's included) and state, 16 lanes x the MTP block's ring
-    # (16 rows x 96 floats, 6 KiB), and 16 lanes x 8 prefix-cache snapshots of 250.4 KiB + that ring
-    assert line.startswith("ds4ref.serve: error: the memory plan needs 46.9 MiB but --memory-budget is 4.0 MiB:")
+    # (16 rows x 96 floats, 6 KiB), 16 lanes x 8 prefix-cache snapshots of 250.4 KiB + that ring, and
+    # speculation's round snapshot (the same size) a lane
+    assert line.startswith("ds4ref.serve: error: the memory plan needs 50.9 MiB but --memory-budget is 4.0 MiB:")
     assert "paged history" in line and "per-lane state" in line and "--max-concurrency" in line
     assert "32.0 MiB of prefix-cache snapshots (--no-prefix-cache drops them)" in line
     assert f"{size(16 * 16 * 96 * 4)} of MTP block state" in line
+    assert "4.0 MiB of speculation's round snapshots" in line
     assert main(["--dry-run", "--memory-budget", "1M"]) == 2
     assert "the weights alone need 3.4 MiB but --memory-budget is 1.0 MiB" in capsys.readouterr().err
 
@@ -253,8 +255,10 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
     assert sum(b.nbytes for b in st.pages.values()) == plan.paged
     assert rt.allocated - uploaded - plan.workspace - plan.paged <= plan.slots
 
-    # prefix-cache snapshots are taken later, one at a time, not by configure
-    state_and_workspace = plan.total - plan.weights - plan.snapshot_bytes
+    # prefix-cache and round snapshots are taken later, one at a time, not by configure
+    assert backend.state.snapshot_bytes <= plan.per_slot  # what a save_state copies fits what the plan counts
+    assert plan.round_snapshots == plan.lanes and plan.round_bytes == plan.lanes * (plan.per_slot + plan.mtp_slot)
+    state_and_workspace = plan.total - plan.weights - plan.snapshot_bytes - plan.round_bytes
     free = int(state_and_workspace / 0.95)
     while 0.95 * free < state_and_workspace:
         free += 1

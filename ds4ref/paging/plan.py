@@ -42,6 +42,7 @@ class MemoryPlan:
     snapshots: int = 0  # prefix-cache snapshots held at most (0: no cache); its pages are the pool's
     mtp_slot: int = 0   # one lane's MTP window ring (0: no MTP block); a snapshot carries one too
     draft: int = 0      # the MTP block's per-lane window rings (and on hip its pass buffers)
+    round_snapshots: int = 0  # speculation's: one a lane, taken before each round with drafts
 
     @property
     def layout(self) -> PageLayout:
@@ -66,8 +67,15 @@ class MemoryPlan:
         return self.snapshots * (self.per_slot + self.mtp_slot)
 
     @property
+    def round_bytes(self) -> int:
+        """Speculation's share: a lane's round snapshot is its fixed state and MTP window ring
+        (the backend keeps dropped ones for the next round)."""
+        return self.round_snapshots * (self.per_slot + self.mtp_slot)
+
+    @property
     def total(self) -> int:
-        return self.weights + self.paged + self.slots + self.workspace + self.snapshot_bytes + self.draft
+        return (self.weights + self.paged + self.slots + self.workspace + self.snapshot_bytes + self.draft
+                + self.round_bytes)
 
     def bytes_per_token(self, storage: str) -> float:
         """Paged history per token of context (the raw ring is per slot, not per token)."""
@@ -82,7 +90,7 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
     return MemoryPlan(config, weights, lanes, context,
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens,
                       snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0,
-                      mtp_slot=mtp_slot, draft=lanes * mtp_slot)
+                      mtp_slot=mtp_slot, draft=lanes * mtp_slot, round_snapshots=lanes if mtp_storage else 0)
 
 
 def mtp_slot_bytes(config: DS4Config, storage: str, page_tokens: int = PAGE_TOKENS) -> int:
@@ -124,6 +132,7 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
     work += (f", {size(plan.snapshot_bytes)} of prefix-cache snapshots (--no-prefix-cache drops them)"
              if plan.snapshots else "")
     work += f", {size(plan.draft)} of MTP block state" if plan.draft else ""
+    work += f", {size(plan.round_bytes)} of speculation's round snapshots" if plan.round_snapshots else ""
     raise PlanError(
         f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
         f"{size(plan.weights)}, {size(plan.paged)} of paged history ({plan.n_pages} pages) for "
@@ -139,6 +148,8 @@ def summary(plan: MemoryPlan) -> str:
              f"(cached pages share the pool)"
              if plan.snapshots else "")
     cache += f" + MTP block state {size(plan.draft)}" if plan.draft else ""
+    cache += (f" + speculation's round snapshots {plan.round_snapshots} x {size(plan.per_slot + plan.mtp_slot)}"
+              if plan.round_snapshots else "")
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
             f"{size(plan.paged)} ({plan.storage} KV rows, {plan.bytes_per_token(plan.storage):,.2f} B/token) + "
             f"per-slot state {plan.lanes} x {size(plan.per_slot)}{work}{cache}")
@@ -159,6 +170,8 @@ def table(plan: MemoryPlan, available: str) -> str:
                                                      f"cached pages are the pool's own")] if plan.snapshots else []),
             *([("MTP block", plan.draft, f"its window rings for {plan.lanes} lanes (and the hip backend's "
                                          f"draft pass buffers); its weights are in 'weights'")] if plan.draft else []),
+            *([("speculation", plan.round_bytes, f"a round snapshot a lane, {plan.round_snapshots} x "
+                                                 f"{plan.per_slot + plan.mtp_slot:,} B")] if plan.round_snapshots else []),
             ("total", plan.total, "")]
     out = [f"{name:<16}{n:>14,}  {size(n):>10}  {note}".rstrip() for name, n, note in rows]
     return "\n".join([*out, f"{'available':<16}{available}", "", *storage_lines(plan)])
