@@ -125,6 +125,9 @@ if has profile; then
   stage "kernel times inside the captured pass (CUPTI; Flash, 43 layers, q2 policy)"
   timeout ${PROFILE_TIMEOUT:-180} python3 benchmarks/graph_profile.py --full --lanes 1,16 --ctx 4096 --prompt 1024 \
     --top 40 --out "$OUT/graph_profile.md" 2>&1 | tee "$OUT/profile.log" || rc=1
+  stage "the C = 1 pass by launch shape (kernel and grid)"
+  timeout ${PROFILE_TIMEOUT:-180} python3 benchmarks/graph_profile.py --full --lanes 1 --ctx 4096 --prompt 0 --by-op \
+    --top 60 --out "$OUT/graph_profile_ops.md" 2>&1 | tee -a "$OUT/profile.log" || rc=1
 fi
 if has spec; then
   stage "speculative decoding against acceptance, oracle drafts (Flash, 43 layers, q2 policy; K = 3)"
