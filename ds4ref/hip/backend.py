@@ -448,7 +448,7 @@ class HipBackend:
         per_layer = 4 * R * sum(sizes[n] for n in COMMIT_INPUTS)
         log = self.rt.malloc(self.cfg.n_layer * per_layer)
         self.rt.memset32(log, 0, log.nbytes // 4)
-        self._ws["round log"] = log
+        self._ws["round_log"] = log
         self._round_log = []
         for il in range(self.cfg.n_layer):
             at, views = il * per_layer, {}

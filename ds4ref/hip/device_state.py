@@ -225,7 +225,7 @@ class DeviceState:
         self.next_pos[slot] = 0
         self._upload_table(slot)
 
-    # ---- snapshots (the prefix cache) ---------------------------------------------------
+    # ---- snapshots (the prefix cache, speculation's rounds) ------------------------------
     def _regions(self) -> list[tuple[object, int]]:
         """(buffer, bytes a slot) of each piece of state that is not in pages; slot s's part of
         a buffer starts at s times its bytes a slot."""

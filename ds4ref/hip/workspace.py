@@ -149,7 +149,7 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_row
     """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
     compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
     "rope" (cos/sin of both RoPE kinds, f32), "workspace" (the max_pass_rows-lane pass) and
-    "round log" (COMMIT_INPUTS of every layer, for the buckets of up to ROUND_LANES lanes)."""
+    "round_log" (COMMIT_INPUTS of every layer, for the buckets of up to ROUND_LANES lanes)."""
     maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
     ratios = {r for r in cfg.compress_ratios if r}
     return {
@@ -158,7 +158,7 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_row
         "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
         "workspace": 4 * max_pass_rows * sum(workspace_sizes(cfg, max_pass_rows, maxp, page_tokens,
                                                         quantised_products).values()),
-        "round log": 4 * round_log_lanes(max_pass_rows) * cfg.n_layer * sum(
+        "round_log": 4 * round_log_lanes(max_pass_rows) * cfg.n_layer * sum(
             workspace_sizes(cfg, max_pass_rows, maxp, page_tokens, quantised_products)[n] for n in COMMIT_INPUTS),
     }
 
