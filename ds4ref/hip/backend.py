@@ -137,7 +137,7 @@ class HipBackend:
         self._log_lanes = 0
         self.commit_programs: dict[int, Recorder] = {}
         self._commit_graphs: dict[int, object] = {}
-        self._last_pass = None  # (bucket, lane fields, {slot: (first lane, positions)}) of the last step
+        self._last_pass = None  # (bucket, lane fields) of the last step
         # (slot, position) -> lane of the last step's rows, whose final streams s0 still holds
         # for draft(); None once an MTP pass has overwritten them
         self._streams_at: dict[tuple[int, int], int] | None = None
@@ -244,8 +244,10 @@ class HipBackend:
         self.rt.bind_thread()
         st = self._need_state()
         position = st.snapshots[snapshot][1]
-        L, fields, ran = self._last_pass or (0, None, {})
-        first, span = ran.get(slot, (0, range(0)))
+        L, fields = self._last_pass or (0, np.full((len(LANE_FIELDS), 1), -1, I32))
+        lane_slot, pos = fields[LANE_FIELDS.index("slot")], fields[LANE_FIELDS.index("pos")]
+        lanes = np.flatnonzero(lane_slot == slot)  # the slot's rows, consecutive in position order
+        span = range(int(pos[lanes[0]]), int(pos[lanes[-1]]) + 1) if lanes.size else range(0)
         check_kept_rows(slot, position, rows, span)
         st.restore_state(slot, snapshot)
         if not rows or L not in self.commit_programs:
@@ -253,7 +255,7 @@ class HipBackend:
         keep = fields.copy()
         lane_slot, last = keep[LANE_FIELDS.index("slot")], keep[LANE_FIELDS.index("last")]
         kept = np.zeros(keep.shape[1], bool)
-        kept[first:first + rows] = True
+        kept[lanes[:rows]] = True
         lane_slot[~kept] = -1
         last[kept] = position + rows - 1
         st.write_lanes(keep)
@@ -279,11 +281,7 @@ class HipBackend:
         self._run(self.programs, self._graphs, L)
         self.rt.synchronize()
         self._streams_at = {(r.slot, r.position): lane for lane, r in enumerate(lanes)}
-        ran: dict[int, tuple[int, range]] = {}
-        for lane, r in enumerate(lanes):
-            first, span = ran.get(r.slot, (lane, range(r.position, r.position)))
-            ran[r.slot] = (first, range(span.start, r.position + 1))
-        self._last_pass = (L, fields, ran)
+        self._last_pass = (L, fields)
         emitting = [i for i in order if rows[i].emit]  # head row e holds the e-th emitting lane
         amax = self.rt.download(self._ws["amax"], (max(len(emitting), 1),), I32)
         logits: list[np.ndarray | None] = [None] * len(rows)
