@@ -549,7 +549,7 @@ class HipBackend:
         self._mv(rec, p + "fn.weight", streams, ws["mix"])
         K.launch_hc_pre_finish(rec, streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
                                c.hc_mult, c.n_embd, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                               ws["u"], ws["post"], ws["comb"], L)
+                               ws["u"], ws["post"], ws["comb"], L, lane_slot=self.state.lane("slot"))
 
     def _hc_post(self, rec, streams, y, out):
         L = rec.L

@@ -459,14 +459,15 @@ HC_COLS = 512  # ds4_hc_pre_finish: the columns of u a block forms in a decode p
 
 
 def launch_hc_pre_finish(rt, streams, mix, base, scale, hc: int, d: int, rms_eps: float, hc_eps: float,
-                         iters: int, u, post, comb, rows: int) -> None:
+                         iters: int, u, post, comb, rows: int, lane_slot=None) -> None:
     """u, post and comb of rows mixes (hc.hip): per row a block for post and comb and blocks over
     u's columns, HC_COLS a block in decode passes and all of them in prompt passes (each block
-    re-reads the row for its norm, which only a few rows can afford)."""
+    re-reads the row for its norm, which only a few rows can afford). lane_slot: padding rows
+    (negative entries) are skipped, their outputs left as they were."""
     cols = HC_COLS if rows <= MAX_LANES else d
     rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(rows, 1), 1 + _blocks(d, cols)), (256,),
               (streams, mix, base, scale, I32(hc), I32(d), F32(rms_eps), F32(hc_eps), I32(iters), I32(cols),
-               u, post, comb))
+               u, post, comb, lane_slot))
 
 
 def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
@@ -623,12 +624,14 @@ def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks
 def indexer_paged(qi, wraw, scale, store, lanes: PagedLanes, ncap, kind=ROW_F32, rt=None):
     """The backend's indexer scores (step_indexer_paged): qi (L, Hi, Di), per-head weights wraw
     (L, Hi) scaled on the device, the slot's index rows (pages, per, Di) -> (L, ncap): score of
-    row n < nvis[l], -inf beyond (and on padding lanes)."""
+    row n < nvis[l]. The kernel leaves the entries beyond (and a padding lane's) as they were:
+    here -inf, written before it runs, so a write past nvis shows."""
     rt = _rt(rt)
     qi = _f32(qi)
     L, Hi, Di = qi.shape
     with _Scope(rt) as s:
         out = s.out((L, ncap))
+        rt.memset32(out, 0xFF800000, L * ncap)
         rt.launch(kernel(rt, "step_state", "step_indexer_paged"), (min(_blocks(ncap, 8), 128), L), (256,),
                   (s.up(qi), s.up(_f32(wraw)), F32(scale), s.up(_stored(store, kind, 0)), I32(kind),
                    s.up(np.asarray(lanes.btab, I32)), I32(lanes.btab.shape[1]), I32(lanes.per),

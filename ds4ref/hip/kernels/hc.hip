@@ -11,13 +11,16 @@
 // u = sum_k pre_k * streams[k].
 // Grid (rows, 1 + ceil(d / cols)): block 0 of a row forms post and comb, block 1 + s the columns
 // s*cols.. of u, so a decode pass's few rows spread over the multiprocessors. Every block forms r
-// itself, in the same order (256 threads), so they all hold the same bits.
+// itself, in the same order (256 threads), so they all hold the same bits. lane_slot (or null):
+// a row whose entry is negative is a padding lane, whose u, post and comb no kernel reads for a
+// real lane: its blocks leave at once (a pass of one row in the 16-lane program runs 1/16 of them).
 extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
                                              const float* __restrict__ base, const float* __restrict__ scale,
                                              int hc, int d, float rms_eps, float hc_eps, int iters, int cols,
                                              float* __restrict__ u, float* __restrict__ post,
-                                             float* __restrict__ comb) {
+                                             float* __restrict__ comb, const int* __restrict__ lane_slot) {
     DS4_KERNEL_ENTRY;
+    if (lane_slot && lane_slot[blockIdx.x] < 0) return;
     __shared__ float scratch[32];
     __shared__ float pre_s[HC_MAX];
     int n = blockIdx.x;

@@ -293,8 +293,10 @@ extern "C" __global__ void step_slot_copy(const long long* desc, int slot, unsig
 #define IX_QMAX 8192   // Hi * Di staged floats
 #define IX_DPL 4       // Di <= 128
 
-// score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], -inf beyond,
-// row_n read from the slot's pages. One warp per row, grid-strided over the capacity.
+// score[l, n] = sum_h (wraw[l, h] * scale) * relu(qi[l, h] . row_n) for n < nvis[l], row_n read
+// from the slot's pages; entries from nvis[l] on are not written (ds4_topk reads the first nvis[l]).
+// One warp per row, grid-strided over the rows; a block with no row (a padding lane's, or past
+// nvis) leaves before staging the query, so a one-row pass in the 16-lane program stages it once a block.
 extern "C" __global__ void __launch_bounds__(IX_WARPS * DS4_WARP)
 step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw, float scale,
                    const ds4_u8* __restrict__ store, int kind, const int* __restrict__ btab, int maxp, int per,
@@ -306,15 +308,12 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
     int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     int l = blockIdx.y;
     int s = slot[l], n_ok = s >= 0 ? nvis[l] : 0;
+    if ((int)blockIdx.x * IX_WARPS >= n_ok) return;  // no row of this block (all of a padding lane's)
     for (int i = threadIdx.x; i < Hi * Di; i += blockDim.x) qs[i] = qi[(long long)l * Hi * Di + i];
     for (int i = threadIdx.x; i < Hi; i += blockDim.x) ws[i] = wraw[(long long)l * Hi + i] * scale;
     __syncthreads();
     int nd = Di / DS4_WARP;
-    for (int n = blockIdx.x * IX_WARPS + warp; n < ncap; n += gridDim.x * IX_WARPS) {
-        if (n >= n_ok) {
-            if (lane == 0) out[(long long)l * ncap + n] = -DS4_INF;
-            continue;
-        }
+    for (int n = blockIdx.x * IX_WARPS + warp; n < n_ok; n += gridDim.x * IX_WARPS) {
         RowFmt f = {kind, Di, 0};
         int page = btab[(long long)s * maxp + n / per];
         const ds4_u8* kr = store + ((long long)page * per + n % per) * row_bytes(f);
