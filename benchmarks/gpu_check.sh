@@ -4,8 +4,8 @@
 # benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
 # files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix,profile,spec
-# (default: all but fresh, prefix, profile and spec). Logs and tables land under $OUT, which the device tool brings back.
+# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix,profile,spec,launch
+# (default: all but fresh, prefix, profile, spec and launch). Logs and tables land under $OUT, which the device tool brings back.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
@@ -134,6 +134,16 @@ if has spec; then
   timeout ${SPEC_TIMEOUT:-300} python3 -m ds4ref.cli.bench --speculative-tokens 3 --synthetic full --concurrency 1,4,16 \
     --draft oracle:0 --draft oracle:0.5 --draft oracle:0.7 --draft oracle:1 --draft mtp --no-auto-off 2>&1 \
     | tee "$OUT/spec.log" || rc=1
+fi
+if has launch; then
+  # programmatic dependent launch, and with it the weight prefetch before each wait (ds4_hip.h):
+  # the same decode benchmark off / on / on with DS4_PDL_PREFETCH=1, side by side in one run
+  stage "decode with DS4REF_PDL off, on, and on with the weight prefetch (Flash, 43 layers, q2 policy)"
+  for v in off:0: on:1: prefetch:1:DS4_PDL_PREFETCH=1; do
+    IFS=: read -r name pdl defines <<< "$v"
+    DS4REF_PDL=$pdl DS4REF_KERNEL_DEFINES=$defines timeout ${LAUNCH_TIMEOUT:-120} python3 benchmarks/decode_gpu.py \
+      --full --ctx 4096 --lanes 1,4,16 --out "$OUT/perf_launch_$name.md" 2>&1 | tee -a "$OUT/launch.log" || rc=1
+  done
 fi
 stage "done rc=$rc"
 exit $rc
