@@ -454,3 +454,27 @@ def test_graph_profile_maps_kernel_times_to_the_recorded_launches(rt):
     assert any(k.startswith("step_ring_commit ") for k in table)
     with pytest.raises(ValueError, match="kernel times"):
         gp.by_op(times[:-1], ops, 3)
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_the_hc_finish_adds_the_split_projection_itself(numerics):
+    """A K-split hc projection (24 x 2048 here) runs its slices and then ds4_hc_pre_finish, which
+    adds them from the K-split scratch (in slice order, as ds4_matvec3_ksum would): no ksum launch
+    between them, and the finish's slice count is the split's."""
+    rt = RecordingRuntime()
+    cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
+    dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
+    model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
+    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend.configure(4, 64)
+    w = dw.mat("blk.0.hc_attn_fn.weight")
+    assert not w.packed and K.matvec_ksplit(w.rows, w.cols) == 512
+    for program in backend.programs.values():
+        ops = program.ops
+        finishes = [i for i, op in enumerate(ops) if op[0].name == "ds4_hc_pre_finish"]
+        assert len(finishes) == 2 * cfg.n_layer
+        for i in finishes:
+            split, finish = ops[i - 1], ops[i]
+            assert split[0].name.endswith("_ks") and split[3][2] is backend._ws["ksplit"]
+            part, nsplit = finish[3][14], int(finish[3][15])
+            assert part is backend._ws["ksplit"] and nsplit == split[1][2] == w.cols // 512

@@ -83,7 +83,7 @@ def test_wrong_count_and_wrong_scalar_type_are_refused_by_name():
         launch_handle(k, good[:2] + good[3:])  # the drift benchmarks/ops_gpu.py had: no L
     hc = file_signatures("hc.hip")["ds4_hc_pre_finish"]
     args = [buf(), buf(), buf(), buf(), np.int32(4), np.int32(64), np.float32(1e-6), np.float32(1e-6),
-            np.int32(20), np.int32(512), buf(), buf(), buf(), None]
+            np.int32(20), np.int32(512), buf(), buf(), buf(), None, None, np.int32(0), np.int32(0)]
     hc.check(args)
     args[7] = np.float64(1e-6)  # a float64 to a float: pack_args would pass 8 bytes where 4 are read
     with pytest.raises(KernelArgumentError, match=r"ds4_hc_pre_finish.*argument 7 \(float hc_eps\) is "

@@ -546,10 +546,14 @@ class HipBackend:
         L = rec.L
         c, ws = self.cfg, self._ws
         p = f"blk.{il}.hc_{part}_"
-        self._mv(rec, p + "fn.weight", streams, ws["mix"])
+        w, lanes, slices = self.w.mat(p + "fn.weight"), self.state.lane("slot"), None
+        if not w.packed and K.matvec_ksplit(w.rows, w.cols):  # the finish adds the slices itself
+            slices = (ws["ksplit"], K.launch_matvec_slices(rec, w, streams, ws["ksplit"], L, lane_slot=lanes))
+        else:
+            self._mv(rec, p + "fn.weight", streams, ws["mix"])
         K.launch_hc_pre_finish(rec, streams, ws["mix"], self.w.vec(p + "base.weight"), self.w.vec(p + "scale.weight"),
                                c.hc_mult, c.n_embd, c.rms_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                               ws["u"], ws["post"], ws["comb"], L, lane_slot=self.state.lane("slot"))
+                               ws["u"], ws["post"], ws["comb"], L, lane_slot=lanes, slices=slices)
 
     def _hc_post(self, rec, streams, y, out):
         L = rec.L

@@ -331,10 +331,7 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
     nlg = lane_groups(L)
     ks = matvec_ksplit(w.rows, w.cols) if groups == 1 else 0
     if ks and part is not None:
-        nsplit = -(-w.cols // ks)
-        _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
-        rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r1_ks"), (_blocks(n, 8), nlg, nsplit), (256,),
-                  (w.buf, x, part, I32(n), I32(w.cols), I32(L), I32(ldx), lane_slot, I32(ks)))
+        nsplit = launch_matvec_slices(rt, w, x, part, L, ldx=ldx, lane_slot=lane_slot)
         rt.launch(kernel(rt, "matvec", "ds4_matvec3_ksum"), (_blocks(nlg * MAX_LANES * n, 256),), (256,),
                   (part, y, I32(n), I32(L), I32(ldy), I32(nsplit), lane_slot))
         return
@@ -344,6 +341,21 @@ def launch_matvec(rt, w: DeviceWeight, x: DeviceBuffer, y: DeviceBuffer, L: int,
     rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r{rpw}"), (_blocks(n, 8 * rpw), groups, nlg),
               (256,), (w.buf, x, y, I32(n), I32(w.cols), I32(L), I32(ldx), I32(xg), I32(ldy),
                        np.int64(n if gs is None else gs), lane_slot))
+
+
+def launch_matvec_slices(rt, w: DeviceWeight, x: DeviceBuffer, part: DeviceBuffer, L: int, *,
+                         ldx: int | None = None, lane_slot: DeviceBuffer | None = None) -> int:
+    """The K-split's first half for a matrix matvec_ksplit splits: slice z of lane l's product into
+    part[(z * LS + l) * N + r] (LS = lane_groups(L) * MAX_LANES). Returns the slice count; the
+    slices are added in order by ds4_matvec3_ksum, or by the kernel that reads the product."""
+    ks = matvec_ksplit(w.rows, w.cols)
+    _need(ks > 0 and part is not None, f"matvec: a {w.rows} x {w.cols} matrix is not K-split")
+    _need(part.nbytes >= 4 * ksplit_floats(w.rows, w.cols, L), "matvec: K-split scratch too small")
+    nsplit = -(-w.cols // ks)
+    rt.launch(kernel(rt, "matvec", f"ds4_matvec3_{w.wtype}_r1_ks"), (_blocks(w.rows, 8), lane_groups(L), nsplit),
+              (256,), (w.buf, x, part, I32(w.rows), I32(w.cols), I32(L), I32(ldx if ldx is not None else w.cols),
+                       lane_slot, I32(ks)))
+    return nsplit
 
 
 # K-split: few-row, long-row matrices (hc projections 24 x 16384, router, indexer
@@ -459,15 +471,17 @@ HC_COLS = 512  # ds4_hc_pre_finish: the columns of u a block forms in a decode p
 
 
 def launch_hc_pre_finish(rt, streams, mix, base, scale, hc: int, d: int, rms_eps: float, hc_eps: float,
-                         iters: int, u, post, comb, rows: int, lane_slot=None) -> None:
+                         iters: int, u, post, comb, rows: int, lane_slot=None, slices=None) -> None:
     """u, post and comb of rows mixes (hc.hip): per row a block for post and comb and blocks over
     u's columns, HC_COLS a block in decode passes and all of them in prompt passes (each block
     re-reads the row for its norm, which only a few rows can afford). lane_slot: padding rows
-    (negative entries) are skipped, their outputs left as they were."""
+    (negative entries) are skipped, their outputs left as they were. slices: (part, nsplit) of a
+    K-split projection (launch_matvec_slices), whose slices the finish adds in place of mix."""
     cols = HC_COLS if rows <= MAX_LANES else d
+    part, nsplit = slices or (None, 0)
     rt.launch(kernel(rt, "hc", "ds4_hc_pre_finish"), (max(rows, 1), 1 + _blocks(d, cols)), (256,),
               (streams, mix, base, scale, I32(hc), I32(d), F32(rms_eps), F32(hc_eps), I32(iters), I32(cols),
-               u, post, comb, lane_slot))
+               u, post, comb, lane_slot, part, I32(nsplit), I32(lane_groups(rows) * MAX_LANES if part else 0)))
 
 
 def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
@@ -478,18 +492,19 @@ def hc_pre(streams, fn, base, scale, rms_eps, hc_eps, iters, rt=None):
     mixn = 2 * hc + hc * hc
     fw = DeviceWeight.upload(rt, _f32(fn))
     _need(fw.rows == mixn and fw.cols == hc * d, f"hc_pre: fn is {fn.shape}, expected ({mixn}, {hc * d})")
-    part = ksplit_scratch(rt, fw)
+    part = ksplit_scratch(rt, fw, n)
     try:
         with _Scope(rt) as s:
             sb = s.up(streams)
-            mix = s.out((n, mixn))
-            for c0 in range(0, n, MAX_LANES):  # the projection f @ fn.T, 16 rows at a time
-                L = min(MAX_LANES, n - c0)
-                launch_matvec(rt, fw, view(sb, c0 * hc * d * 4, L * hc * d * 4),
-                              view(mix, c0 * mixn * 4, L * mixn * 4), L, part=part)
+            mix, slices = None, None
+            if part is not None:  # the projection's slices, added by the finish (as HipBackend runs it)
+                slices = (part, launch_matvec_slices(rt, fw, sb, part, n))
+            else:
+                mix = s.out((n, mixn))
+                launch_matvec(rt, fw, sb, mix, n)  # the projection f @ fn.T
             u, post, comb = s.out((n, d)), s.out((n, hc)), s.out((n, hc, hc))
             launch_hc_pre_finish(rt, sb, mix, s.up(_f32(base)), s.up(_f32(scale)), hc, d, rms_eps, hc_eps, iters,
-                                 u, post, comb, n)
+                                 u, post, comb, n, slices=slices)
             return s.get(u, (n, d)), s.get(post, (n, hc)), s.get(comb, (n, hc, hc))
     finally:
         fw.buf.free()

@@ -11,25 +11,39 @@
 // u = sum_k pre_k * streams[k].
 // Grid (rows, 1 + ceil(d / cols)): block 0 of a row forms post and comb, block 1 + s the columns
 // s*cols.. of u, so a decode pass's few rows spread over the multiprocessors. Every block forms r
-// itself, in the same order (256 threads), so they all hold the same bits. lane_slot (or null):
+// itself, in the same order (256 threads), so they all hold the same bits. With part (non-null)
+// the projection ran K-split (ds4_matvec3_*_ks) and mix_raw is unused: each block adds the row's
+// nsplit slices itself, in slice order from 0.0f, as ds4_matvec3_ksum would have (ls: the
+// slices' lane stride), which saves that launch. lane_slot (or null):
 // a row whose entry is negative is a padding lane, whose u, post and comb no kernel reads for a
 // real lane: its blocks leave at once (a pass of one row in the 16-lane program runs 1/16 of them).
 extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, const float* __restrict__ mix_raw,
                                              const float* __restrict__ base, const float* __restrict__ scale,
                                              int hc, int d, float rms_eps, float hc_eps, int iters, int cols,
                                              float* __restrict__ u, float* __restrict__ post,
-                                             float* __restrict__ comb, const int* __restrict__ lane_slot) {
+                                             float* __restrict__ comb, const int* __restrict__ lane_slot,
+                                             const float* __restrict__ part, int nsplit, int ls) {
     DS4_KERNEL_ENTRY;
     if (lane_slot && lane_slot[blockIdx.x] < 0) return;
     __shared__ float scratch[32];
     __shared__ float pre_s[HC_MAX];
+    __shared__ float mix_s[2 * HC_MAX + HC_MAX * HC_MAX];
     int n = blockIdx.x;
     int mixn = 2 * hc + hc * hc;
+    for (int i = threadIdx.x; i < mixn; i += blockDim.x) {
+        float s = 0.0f;
+        if (part)
+            for (int z = 0; z < nsplit; ++z) s += part[((long long)z * ls + n) * mixn + i];
+        else
+            s = mix_raw[(long long)n * mixn + i];
+        mix_s[i] = s;
+    }
+    __syncthreads();
     const float* f = streams + (long long)n * hc * d;
     float ss = ds4_block_sum(ds4_strided_sumsq<64>(f, hc * d), scratch);
     float r = 1.0f / sqrtf(ss / (float)(hc * d) + rms_eps);
     float eps32 = hc_eps;
-    const float* mr = mix_raw + (long long)n * mixn;
+    const float* mr = mix_s;
     if (blockIdx.y > 0) {  // u = sum_k pre_k * streams[k] (in k order) on this block's columns
         if (threadIdx.x < hc) {
             int k = threadIdx.x;
