@@ -399,18 +399,24 @@ def test_join_lays_matrices_end_to_end_and_frees_each_buffer_once():
     assert sorted(rt.freed) == sorted([before["a"], before["b"], before["c"], joint.buf.ptr]) and not rt.live
 
 
-@pytest.mark.parametrize("numerics", ["official", "plain"])
-def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
-    """Each joined pair (DeviceWeights.join) is one grouped launch a pass, whose second output
-    starts where JOINT_OUTPUTS puts it: the group stride gs is the first output's whole buffer,
-    in buckets the round log covers the layer's own part of the log for the compressors' pairs."""
-    from ds4ref.hip.workspace import COMMIT_INPUTS, JOINT_OUTPUTS, workspace_sizes
+def policy_backend(numerics: str):
+    """(config, device weights, configured backend) of the q2 policy at 512 wide, recorded only."""
     rt = RecordingRuntime()
     cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
     dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
     backend = HipBackend(model, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
+    return cfg, dw, backend
+
+
+@pytest.mark.parametrize("numerics", ["official", "plain"])
+def test_joined_products_run_once_a_pass_into_their_own_outputs(numerics):
+    """Each joined pair (DeviceWeights.join) is one grouped launch a pass, whose second output
+    starts where JOINT_OUTPUTS puts it: the group stride gs is the first output's whole buffer,
+    in buckets the round log covers the layer's own part of the log for the compressors' pairs."""
+    from ds4ref.hip.workspace import COMMIT_INPUTS, JOINT_OUTPUTS, workspace_sizes
+    cfg, dw, backend = policy_backend(numerics)
     st, L = backend.state, backend.max_pass_rows
     sizes = workspace_sizes(cfg, L, st.maxp, st.page_tokens, backend.quantised_products)
     R = backend._log_lanes
@@ -461,12 +467,7 @@ def test_the_hc_finish_adds_the_split_projection_itself(numerics):
     """A K-split hc projection (24 x 2048 here) runs its slices and then ds4_hc_pre_finish, which
     adds them from the K-split scratch (in slice order, as ds4_matvec3_ksum would): no ksum launch
     between them, and the finish's slice count is the split's."""
-    rt = RecordingRuntime()
-    cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
-    dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
-    model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
-    backend.configure(4, 64)
+    cfg, dw, backend = policy_backend(numerics)
     w = dw.mat("blk.0.hc_attn_fn.weight")
     assert not w.packed and K.matvec_ksplit(w.rows, w.cols) == 512
     for program in backend.programs.values():
