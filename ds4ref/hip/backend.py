@@ -661,9 +661,8 @@ class HipBackend:
         store = st.pages[(il, ATTN)] if ratio else None
         per = st.layout.rows_per_page(ratio) if ratio else 1
         nvis = st.nvis(ratio) if ratio else st.lane("slot")  # unused without a store
-        kso = rec.compile_file("step_state.hip").kernel
         sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
-        rec.launch(kso("step_attention_split"), (_blocks(H, 8), L, self.at_nz), (256,),
+        K.launch_attention_split(rec, H, L, self.at_nz,
                    (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), store,
                     I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
                     I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),

@@ -615,12 +615,11 @@ def perf_attention(b, L):
     lane = [b.up(a) for a in (slot, pos, pos, slot, np.full(L, nvis, I32))]  # slot pos pstart flane nvis
     nz = g._blocks(W + ksel, g.AT_SPLIT)
     m, den, acc, out, bt = b.out((L, H, nz)), b.out((L, H, nz)), b.out((L, H, nz, D)), b.out((L, H, D)), b.up(btab)
-    split = g.kernel(rt, "step_state", "step_attention_split")
     rope, q8 = b.up(b.rnd(p + 1, 32, 2)), g.Q8Rows.alloc(rt, L * H * D)  # the backend's epilogue
     b.keep += [q8.xq, q8.dx, q8.xs]
 
     def run():
-        rt.launch(split, (g._blocks(H, 8), L, nz), (256,),
+        g.launch_attention_split(rt, H, L, nz,
                   (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
                    *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
         g.launch_attention_combine(rt, m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, ksel, W, H, D, nz,

@@ -554,6 +554,19 @@ def hc_post(streams, y, post, comb, rt=None):
 
 AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
 AT3_SPLIT = AT_SPLIT
+
+
+def launch_attention_split(rt, H: int, L: int, nz: int, args: tuple) -> None:
+    """step_attention_split over (head sets, lanes, key slices): blocks of 8 warps (one head
+    each), or of 4 (step_attention_split_w4) where 8-warp blocks would not fill two a
+    multiprocessor, so that one lane's few blocks spread evenly. Heads are independent, so
+    the choice changes no bit (DS4REF_ATTN_WARPS forces one for experiments)."""
+    forced = getenv("DS4REF_ATTN_WARPS")
+    if forced and forced not in ("4", "8"):
+        raise UnsupportedShapeError(f"DS4REF_ATTN_WARPS={forced!r} is not 4 or 8")
+    nw = int(forced) if forced else 4 if _blocks(H, 8) * L * nz < 2 * _multiprocessors(rt) else 8
+    name = "step_attention_split" if nw == 8 else "step_attention_split_w4"
+    rt.launch(rt.compile_file("step_state.hip").kernel(name), (_blocks(H, nw), L, nz), (32 * nw,), args)
 AT_CT = 128  # step_attention_combine's threads (step_state.hip's AT_CT)
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
 
@@ -619,7 +632,7 @@ def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks
         lane = {k: s.up(np.asarray(getattr(lanes, k), I32)) for k in ("slot", "pos", "pstart", "flane", "nvis")}
         m, den, acc, out = s.out((L, H, nz)), s.out((L, H, nz)), s.out((L, H, nz, D)), s.out((L, H, D))
         btab = s.up(np.asarray(lanes.btab, I32))
-        rt.launch(kernel(rt, "step_state", "step_attention_split"), (_blocks(H, 8), L, nz), (256,),
+        launch_attention_split(rt, H, L, nz,
                   (s.up(q), s.up(_f32(pass_kv)), s.up(ring_raw), np.int64(ring_raw.shape[1] * ring_raw.itemsize),
                    st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
                    lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
@@ -825,10 +838,14 @@ def expert_rows_per_warp(wtype: str, want: int) -> int:
     return want if want <= 2 or wtype in EXPERT_R4 else 2
 
 
+def _multiprocessors(rt) -> int:
+    return max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
+
+
 def expert_blocks(rt) -> int:
     """The routed-expert kernel's fixed grid: a few resident blocks per multiprocessor, each
     walking work items, so the grid never depends on how many experts exist."""
-    return 4 * max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
+    return 4 * _multiprocessors(rt)
 
 
 def launch_routed_experts(rt, wbuf, wtype: str, r: int, x, per_choice: int, elist, y, N: int, K: int,

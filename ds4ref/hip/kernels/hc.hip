@@ -4,6 +4,51 @@
 
 #define HC_MAX 8  // hc_mult limit: mixes <= 2*8 + 64
 
+// Warp 0 of a row's block 0, one comb entry (i, j) per lane k = i*hc + j (HC: hc known at compile
+// time, or 0). Every sum runs over the same terms in the same order as the serial version in
+// ds4_hc_pre_finish (each lane of a row or column adds the row's/column's entries, fetched by
+// shuffle, in index order), and each entry is divided by that sum: identical results, but the
+// ~2*iters*hc dependent divisions of one thread become 2*iters.
+template <int HC>
+__device__ __forceinline__ void hc_comb_warp(const float* mr, float r, const float* scale, const float* base,
+                                             float eps32, int iters, int hc_rt, float* out) {
+    const int hc = HC ? HC : hc_rt;
+    int k = threadIdx.x;
+    int hh = hc * hc;
+    int i = k < hh ? k / hc : 0, j = k < hh ? k % hc : 0;
+    float v = k < hh ? (mr[2 * hc + k] * r) * scale[2] + base[2 * hc + k] : 0.0f;
+    float mx = -DS4_INF;
+#pragma unroll
+    for (int jj = 0; jj < (HC ? HC : HC_MAX); ++jj)
+        if (jj < hc) mx = fmaxf(mx, DS4_SHFL(v, i * hc + jj));
+    v = ds4_exp(v - mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < (HC ? HC : HC_MAX); ++jj)
+        if (jj < hc) sum += DS4_SHFL(v, i * hc + jj);
+    v = v / sum + eps32;
+    for (int it = 0; it < iters; ++it) {
+        float row[HC ? HC : HC_MAX], col[HC ? HC : HC_MAX];
+        if (it > 0) {
+#pragma unroll
+            for (int jj = 0; jj < (HC ? HC : HC_MAX); ++jj) row[jj] = jj < hc ? DS4_SHFL(v, i * hc + jj) : 0.0f;
+            float sr = 0.0f;
+#pragma unroll
+            for (int jj = 0; jj < (HC ? HC : HC_MAX); ++jj)
+                if (jj < hc) sr += row[jj];
+            v = v / (sr + eps32);
+        }
+#pragma unroll
+        for (int ii = 0; ii < (HC ? HC : HC_MAX); ++ii) col[ii] = ii < hc ? DS4_SHFL(v, ii * hc + j) : 0.0f;
+        float sc = 0.0f;
+#pragma unroll
+        for (int ii = 0; ii < (HC ? HC : HC_MAX); ++ii)
+            if (ii < hc) sc += col[ii];
+        v = v / (sc + eps32);
+    }
+    if (k < hh) out[k] = v;
+}
+
 // Per row n: r = 1/sqrt(mean(f^2) + rms_eps); m = mix_raw * r;
 // pre = sigmoid(m[:hc]*scale0 + base) + hc_eps; post = 2*sigmoid(...);
 // comb = softmax over j of the hc x hc logits + hc_eps, then Sinkhorn exactly as
@@ -74,33 +119,14 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
         post[(long long)n * hc + k] = 2.0f * ds4_sigmoid((mr[hc + k] * r) * scale[1] + base[hc + k]);
     }
     if (hc * hc <= DS4_WARP) {
-        // Warp 0, one comb entry (i, j) per lane k = i*hc + j. Every sum runs over the
-        // same terms in the same order as the serial version below (each lane of a row
-        // or column adds the row's/column's entries, fetched by shuffle, in index order),
-        // and each entry is divided by that sum: identical results, but the ~2*iters*hc
-        // dependent divisions of one thread become 2*iters.
         if (threadIdx.x < DS4_WARP) {
-            int k = threadIdx.x;
-            int hh = hc * hc;
-            int i = k < hh ? k / hc : 0, j = k < hh ? k % hc : 0;
-            float v = k < hh ? (mr[2 * hc + k] * r) * scale[2] + base[2 * hc + k] : 0.0f;
-            float mx = -DS4_INF;
-            for (int jj = 0; jj < hc; ++jj) mx = fmaxf(mx, DS4_SHFL(v, i * hc + jj));
-            v = ds4_exp(v - mx);
-            float sum = 0.0f;
-            for (int jj = 0; jj < hc; ++jj) sum += DS4_SHFL(v, i * hc + jj);
-            v = v / sum + eps32;
-            for (int it = 0; it < iters; ++it) {
-                if (it > 0) {
-                    float sr = 0.0f;
-                    for (int jj = 0; jj < hc; ++jj) sr += DS4_SHFL(v, i * hc + jj);
-                    v = v / (sr + eps32);
-                }
-                float sc = 0.0f;
-                for (int ii = 0; ii < hc; ++ii) sc += DS4_SHFL(v, ii * hc + j);
-                v = v / (sc + eps32);
-            }
-            if (k < hh) comb[(long long)n * hh + k] = v;
+            float* out = comb + (long long)n * hc * hc;
+            // Flash's hc = 4 unrolled: a sum's shuffles issue together, so a Sinkhorn step waits on one
+            // shuffle and its adds rather than on hc dependent rounds (the same terms, the same order)
+            if (hc == 4)
+                hc_comb_warp<4>(mr, r, scale, base, eps32, iters, hc, out);
+            else
+                hc_comb_warp<0>(mr, r, scale, base, eps32, iters, hc, out);
         }
     } else if (threadIdx.x == 0) {
         float c[HC_MAX * HC_MAX];

@@ -339,7 +339,6 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 // heads per warp (2: a warp reads each key element once for both heads and a block decodes
 // a slice for 16 heads, but 128 registers with spills and 2 blocks a multiprocessor,
 // against 80 at 1).
-#define AT_WARPS 8     // warps per block
 #ifndef AT_KT
 #define AT_KT 16
 #endif
@@ -352,7 +351,6 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #define AT_KG 4        // keys whose dots and butterflies run side by side (divides AT_KT)
 #endif
 static_assert(AT_KT % AT_KG == 0, "AT_KG must divide AT_KT: a group reads only rows of its tile");
-#define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
 
 struct KeySrc {
     const float* pass_kv;  // (L, D) this pass's roped KV rows
@@ -436,13 +434,29 @@ __device__ __forceinline__ int at_lane_keys(int s, int p, int W, const void* sto
     return *nraw + ncomp;
 }
 
-extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
-step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring, long long ring_stride,
-                     const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel, int ksel,
-                     const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
-                     int H, int D, int W, float scale, float* __restrict__ part_m,
+// A block is NW warps, one head set of NW * AT_HPW heads (the host's grid covers H in such sets):
+// 8, or 4 where a pass has too few (head set, slice) blocks to fill the machine evenly (at one
+// lane, 160 blocks of 8 warps left 28 multiprocessors with two while the rest had one); ops'
+// attention_split_launch picks. A key tile sits in shared memory lane-major: dims lane + 32t for
+// t = 4u .. 4u + 3 are one float4 at [u][lane], so a lane reads its dims of a key in AT_DPL / 4
+// loads instead of AT_DPL (the same values, summed in the same order).
+#define AT_AT(d) ((((d) / DS4_WARP) / 4) * (4 * DS4_WARP) + ((d) % DS4_WARP) * 4 + ((d) / DS4_WARP) % 4)
+// A lane's dims lane + 32t (t < nd) of a key row staged lane-major (AT_AT).
+__device__ __forceinline__ void at_key_dims(const float* kt, int lane, int nd, float* out) {
+#pragma unroll
+    for (int u = 0; u < AT_DPL / 4; ++u) {
+        float4 v = 4 * u < nd ? *(const float4*)(kt + u * 4 * DS4_WARP + 4 * lane) : make_float4(0.f, 0.f, 0.f, 0.f);
+        out[4 * u] = v.x; out[4 * u + 1] = v.y; out[4 * u + 2] = v.z; out[4 * u + 3] = v.w;
+    }
+}
+
+template <int NW>
+__device__ __forceinline__ void at_split_body(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring,
+                     long long ring_stride, const ds4_u8* store, int kind, int nrot, const int* btab, int maxp,
+                     int per, const int* sel, int ksel, const int* slot, const int* pos, const int* pstart,
+                     const int* flane, const int* nvis, int H, int D, int W, float scale, float* __restrict__ part_m,
                      float* __restrict__ part_den, float* __restrict__ part_acc) {
-    DS4_KERNEL_ENTRY;
+    const int AT_HPB = NW * AT_HPW;
     __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
     __shared__ const ds4_u8* krow[AT3_SPLIT];
     __shared__ int kkind[AT3_SPLIT];
@@ -481,8 +495,12 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
             __syncthreads();  // the previous tile is consumed
             for (int idx = threadIdx.x; idx < nk * g4; idx += blockDim.x) {
                 int rr = idx / g4, c4 = idx - rr * g4;
-                *(float4*)(ks + rr * AT_DMAX + 4 * c4) =
-                    row_get4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4);
+                float4 v = row_get4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4);
+                float* kt = ks + rr * AT_DMAX;
+                kt[AT_AT(4 * c4)] = v.x;
+                kt[AT_AT(4 * c4 + 1)] = v.y;
+                kt[AT_AT(4 * c4 + 2)] = v.z;
+                kt[AT_AT(4 * c4 + 3)] = v.w;
             }
             __syncthreads();
             if (!active) continue;
@@ -492,14 +510,17 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
                 // (rows of the tile past nk give dots nobody reads)
                 float dot[AT_KG][AT_HPW];
 #pragma unroll
-                for (int u = 0; u < AT_KG; ++u)
+                for (int u = 0; u < AT_KG; ++u) {
+                    float kv[AT_DPL];
+                    at_key_dims(ks + (r0 + u) * AT_DMAX, lane, nd, kv);
 #pragma unroll
                     for (int j = 0; j < AT_HPW; ++j) {
                         dot[u][j] = 0.0f;
 #pragma unroll
                         for (int t = 0; t < AT_DPL; ++t)
-                            if (t < nd) dot[u][j] += qv[j][t] * ks[(r0 + u) * AT_DMAX + lane + DS4_WARP * t];
+                            if (t < nd) dot[u][j] += qv[j][t] * kv[t];
                     }
+                }
 #pragma unroll
                 for (int mask = DS4_WARP / 2; mask > 0; mask >>= 1)
 #pragma unroll
@@ -509,7 +530,8 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
 #pragma unroll
                 for (int u = 0; u < AT_KG; ++u) {
                     if (r0 + u >= nk) break;
-                    const float* kr = ks + (r0 + u) * AT_DMAX;
+                    float kr[AT_DPL];
+                    at_key_dims(ks + (r0 + u) * AT_DMAX, lane, nd, kr);
 #pragma unroll
                     for (int j = 0; j < AT_HPW; ++j) {
                         float sc = dot[u][j] * scale;
@@ -518,14 +540,14 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
                             den[j] = den[j] * c + 1.0f;
 #pragma unroll
                             for (int t = 0; t < AT_DPL; ++t)
-                                if (t < nd) acc[j][t] = acc[j][t] * c + kr[lane + DS4_WARP * t];
+                                if (t < nd) acc[j][t] = acc[j][t] * c + kr[t];
                             m[j] = sc;
                         } else {
                             float e = ds4_exp(sc - m[j]);
                             den[j] += e;
 #pragma unroll
                             for (int t = 0; t < AT_DPL; ++t)
-                                if (t < nd) acc[j][t] += e * kr[lane + DS4_WARP * t];
+                                if (t < nd) acc[j][t] += e * kr[t];
                         }
                     }
                 }
@@ -543,6 +565,20 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
         }
     }
 }
+
+#define AT_SPLIT_KERNEL(NAME, NW)                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * DS4_WARP)                                            \
+        NAME(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring, long long ring_stride,  \
+             const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel,   \
+             int ksel, const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis, \
+             int H, int D, int W, float scale, float* __restrict__ part_m, float* __restrict__ part_den,    \
+             float* __restrict__ part_acc) {                                                               \
+        DS4_KERNEL_ENTRY;                                                                                  \
+        at_split_body<NW>(q, pass_kv, ring, ring_stride, store, kind, nrot, btab, maxp, per, sel, ksel, slot, \
+                          pos, pstart, flane, nvis, H, D, W, scale, part_m, part_den, part_acc);           \
+    }
+AT_SPLIT_KERNEL(step_attention_split, 8)
+AT_SPLIT_KERNEL(step_attention_split_w4, 4)
 
 // Block (head, lane) of AT_CT threads over dims: the lane's slices in z order, then the sink.
 // A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
