@@ -3,12 +3,13 @@
 # occupancy of chosen kernels at chosen lane counts (the H200's Firecracker image has ncu).
 # Run on the GPU machine after gpu_check.sh's wheel install (PYTHONPATH set):
 #   NCU_CASES="qrouted_experts:1:ds4_qexperts_iq2 qmatvec:16:ds4_qmatvec_q8" bash benchmarks/ncu_ops.sh
-# Each case is ops:lanes:kernel-regex; the first 2 matching launches are profiled.
+# Each case is ops:lanes:kernel-regex; the first NCU_COUNT (2) matching launches are profiled;
+# NCU_SECTIONS replaces the sections.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds4ref_gpu_out}
 NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
-SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis"
+SECTIONS=${NCU_SECTIONS:-"--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats"}
 for c in ${NCU_CASES:-}; do
   IFS=: read -r ops lanes rx <<< "$c"
   echo "=== ncu: ops=$ops lanes=$lanes kernels=$rx"

@@ -17,7 +17,6 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "DS4REF_KERNEL_DEFINES": ("", "extra -DNAME=VALUE macros for every kernel compile (tuning experiments)"),
     "DS4REF_KERNEL_CACHE": ("", "folder of compiled kernels (hip/kernel_cache.py); empty: ~/.cache/ds4ref/kernels; off: none"),
     "DS4REF_MATVEC_RPW": ("", "forces the matvec's rows per warp (1, 2 or 4); empty: by shape"),
-    "DS4REF_ATTN_WARPS": ("", "forces step_attention_split's warps a block (4 or 8); empty: by the pass's size"),
     "DS4REF_PREFILL_RPW": ("2", "the matvec's rows per warp in prompt passes"),
     "DS4REF_EXPERT_RPW": ("2", "routed-expert rows per warp in decode passes"),
     "DS4REF_PREFILL_EXPERT_RPW": ("4", "routed-expert rows per warp in prompt passes (4 for bf16 only)"),

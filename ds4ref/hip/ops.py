@@ -554,21 +554,13 @@ def hc_post(streams, y, post, comb, rt=None):
 
 AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
 AT3_SPLIT = AT_SPLIT
+AT_CT = 128  # step_attention_combine's threads (step_state.hip's AT_CT)
+ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
 
 
 def launch_attention_split(rt, H: int, L: int, nz: int, args: tuple) -> None:
-    """step_attention_split over (head sets, lanes, key slices): blocks of 8 warps (one head
-    each), or of 4 (step_attention_split_w4) where 8-warp blocks would not fill two a
-    multiprocessor, so that one lane's few blocks spread evenly. Heads are independent, so
-    the choice changes no bit (DS4REF_ATTN_WARPS forces one for experiments)."""
-    forced = getenv("DS4REF_ATTN_WARPS")
-    if forced and forced not in ("4", "8"):
-        raise UnsupportedShapeError(f"DS4REF_ATTN_WARPS={forced!r} is not 4 or 8")
-    nw = int(forced) if forced else 4 if _blocks(H, 8) * L * nz < 2 * _multiprocessors(rt) else 8
-    name = "step_attention_split" if nw == 8 else "step_attention_split_w4"
-    rt.launch(rt.compile_file("step_state.hip").kernel(name), (_blocks(H, nw), L, nz), (32 * nw,), args)
-AT_CT = 128  # step_attention_combine's threads (step_state.hip's AT_CT)
-ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
+    """step_attention_split over (head sets of 8, lanes, key slices), a warp a head."""
+    rt.launch(kernel(rt, "step_state", "step_attention_split"), (_blocks(H, 8), L, nz), (256,), args)
 
 
 @dataclass
@@ -838,14 +830,10 @@ def expert_rows_per_warp(wtype: str, want: int) -> int:
     return want if want <= 2 or wtype in EXPERT_R4 else 2
 
 
-def _multiprocessors(rt) -> int:
-    return max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
-
-
 def expert_blocks(rt) -> int:
     """The routed-expert kernel's fixed grid: a few resident blocks per multiprocessor, each
     walking work items, so the grid never depends on how many experts exist."""
-    return 4 * _multiprocessors(rt)
+    return 4 * max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
 
 
 def launch_routed_experts(rt, wbuf, wtype: str, r: int, x, per_choice: int, elist, y, N: int, K: int,

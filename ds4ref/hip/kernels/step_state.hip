@@ -339,6 +339,7 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 // heads per warp (2: a warp reads each key element once for both heads and a block decodes
 // a slice for 16 heads, but 128 registers with spills and 2 blocks a multiprocessor,
 // against 80 at 1).
+#define AT_WARPS 8     // warps per block
 #ifndef AT_KT
 #define AT_KT 16
 #endif
@@ -351,6 +352,7 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #define AT_KG 4        // keys whose dots and butterflies run side by side (divides AT_KT)
 #endif
 static_assert(AT_KT % AT_KG == 0, "AT_KG must divide AT_KT: a group reads only rows of its tile");
+#define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
 
 struct KeySrc {
     const float* pass_kv;  // (L, D) this pass's roped KV rows
@@ -434,12 +436,9 @@ __device__ __forceinline__ int at_lane_keys(int s, int p, int W, const void* sto
     return *nraw + ncomp;
 }
 
-// A block is NW warps, one head set of NW * AT_HPW heads (the host's grid covers H in such sets):
-// 8, or 4 where a pass has too few (head set, slice) blocks to fill the machine evenly (at one
-// lane, 160 blocks of 8 warps left 28 multiprocessors with two while the rest had one); ops'
-// attention_split_launch picks. A key tile sits in shared memory lane-major: dims lane + 32t for
-// t = 4u .. 4u + 3 are one float4 at [u][lane], so a lane reads its dims of a key in AT_DPL / 4
-// loads instead of AT_DPL (the same values, summed in the same order).
+// A key tile sits in shared memory lane-major: dims lane + 32t for t = 4u .. 4u + 3 are one
+// float4 at [u][lane], so a lane reads its dims of a key in AT_DPL / 4 loads instead of AT_DPL
+// (the same values, summed in the same order).
 #define AT_AT(d) ((((d) / DS4_WARP) / 4) * (4 * DS4_WARP) + ((d) % DS4_WARP) * 4 + ((d) / DS4_WARP) % 4)
 // A lane's dims lane + 32t (t < nd) of a key row staged lane-major (AT_AT).
 __device__ __forceinline__ void at_key_dims(const float* kt, int lane, int nd, float* out) {
@@ -450,13 +449,13 @@ __device__ __forceinline__ void at_key_dims(const float* kt, int lane, int nd, f
     }
 }
 
-template <int NW>
-__device__ __forceinline__ void at_split_body(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring,
-                     long long ring_stride, const ds4_u8* store, int kind, int nrot, const int* btab, int maxp,
-                     int per, const int* sel, int ksel, const int* slot, const int* pos, const int* pstart,
-                     const int* flane, const int* nvis, int H, int D, int W, float scale, float* __restrict__ part_m,
+extern "C" __global__ void __launch_bounds__(AT_WARPS * DS4_WARP)
+step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring, long long ring_stride,
+                     const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel, int ksel,
+                     const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis,
+                     int H, int D, int W, float scale, float* __restrict__ part_m,
                      float* __restrict__ part_den, float* __restrict__ part_acc) {
-    const int AT_HPB = NW * AT_HPW;
+    DS4_KERNEL_ENTRY;
     __shared__ __align__(16) float ks[AT_KT * AT_DMAX];
     __shared__ const ds4_u8* krow[AT3_SPLIT];
     __shared__ int kkind[AT3_SPLIT];
@@ -565,20 +564,6 @@ __device__ __forceinline__ void at_split_body(const float* __restrict__ q, const
         }
     }
 }
-
-#define AT_SPLIT_KERNEL(NAME, NW)                                                                          \
-    extern "C" __global__ void __launch_bounds__(NW * DS4_WARP)                                            \
-        NAME(const float* __restrict__ q, const float* pass_kv, const ds4_u8* ring, long long ring_stride,  \
-             const ds4_u8* store, int kind, int nrot, const int* btab, int maxp, int per, const int* sel,   \
-             int ksel, const int* slot, const int* pos, const int* pstart, const int* flane, const int* nvis, \
-             int H, int D, int W, float scale, float* __restrict__ part_m, float* __restrict__ part_den,    \
-             float* __restrict__ part_acc) {                                                               \
-        DS4_KERNEL_ENTRY;                                                                                  \
-        at_split_body<NW>(q, pass_kv, ring, ring_stride, store, kind, nrot, btab, maxp, per, sel, ksel, slot, \
-                          pos, pstart, flane, nvis, H, D, W, scale, part_m, part_den, part_acc);           \
-    }
-AT_SPLIT_KERNEL(step_attention_split, 8)
-AT_SPLIT_KERNEL(step_attention_split_w4, 4)
 
 // Block (head, lane) of AT_CT threads over dims: the lane's slices in z order, then the sink.
 // A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
