@@ -663,10 +663,10 @@ class HipBackend:
         nvis = st.nvis(ratio) if ratio else st.lane("slot")  # unused without a store
         sinks = self.w.vec(f"blk.{il}.attn_sinks.weight")
         K.launch_attention_split(rec, H, L, self.at_nz,
-                   (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), store,
-                    I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
-                    I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
-                    F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
+                                 (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), store,
+                                  I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
+                                  I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
+                                  F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
         K.launch_attention_combine(rec, ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"),
                                    st.lane("pos"), store, nvis, sel, c.indexer_top_k, c.sliding_window, H, D,
                                    self.at_nz, ws["o"], L, rope=self.rope_cs[1 if ratio else 0],

@@ -620,8 +620,8 @@ def perf_attention(b, L):
 
     def run():
         g.launch_attention_split(rt, H, L, nz,
-                  (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
-                   *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
+                                 (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
+                                  *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
         g.launch_attention_combine(rt, m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, ksel, W, H, D, nz,
                                    out, L, rope=rope, half=32, q8=q8)
     b.add("attention paged 64h x 512, 128 ring + 512 sel (+ rope, int8 rows)", L,

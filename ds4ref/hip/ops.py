@@ -625,10 +625,10 @@ def attention_paged(q, pass_kv, ring, store, sel, ksel, lanes: PagedLanes, sinks
         m, den, acc, out = s.out((L, H, nz)), s.out((L, H, nz)), s.out((L, H, nz, D)), s.out((L, H, D))
         btab = s.up(np.asarray(lanes.btab, I32))
         launch_attention_split(rt, H, L, nz,
-                  (s.up(q), s.up(_f32(pass_kv)), s.up(ring_raw), np.int64(ring_raw.shape[1] * ring_raw.itemsize),
-                   st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
-                   lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
-                   F32(1.0 / math.sqrt(D)), m, den, acc))
+                               (s.up(q), s.up(_f32(pass_kv)), s.up(ring_raw), np.int64(ring_raw.shape[1] * ring_raw.itemsize),
+                                st, I32(kind), I32(n_rot), btab, I32(lanes.btab.shape[1]), I32(lanes.per), sl, I32(ksel),
+                                lane["slot"], lane["pos"], lane["pstart"], lane["flane"], lane["nvis"], I32(H), I32(D), I32(W),
+                                F32(1.0 / math.sqrt(D)), m, den, acc))
         qr = Q8Rows.alloc(rt, L * H * D) if q8 else None
         try:
             launch_attention_combine(rt, m, den, acc, s.up(sinks), lane["slot"], lane["pos"], st, lane["nvis"], sl,
