@@ -48,24 +48,27 @@ typedef unsigned long long ds4_u64;
 #define DS4_KERNEL_ENTRY
 #endif
 
-// DS4_KERNEL_ENTRY_PREFETCH(p, n): DS4_KERNEL_ENTRY, and before it, where DS4_PDL_PREFETCH is 1
-// (DS4REF_KERNEL_DEFINES; it changes no bit), one thread asks L2 for the bytes [p, p + n) it can
-// name in whole 16-byte units: weights, which no kernel writes, so the block may read them before
-// the kernel ahead of it has finished, and with DS4REF_PDL=1 they stream in while it runs.
+// DS4_KERNEL_ENTRY_PREFETCH(W, N, rows, rb): DS4_KERNEL_ENTRY, and before it, where
+// DS4_PDL_PREFETCH is 1 (DS4REF_KERNEL_DEFINES; it changes no bit), one thread asks L2 for this
+// block's weight rows: rows blockIdx.x * rows .. (at most N) of group blockIdx.y, rb bytes each,
+// in whole 16-byte units. Weights are never written, so the block may read them before the kernel
+// ahead of it has finished, and with DS4REF_PDL=1 they stream in while it runs.
 #ifndef DS4_PDL_PREFETCH
 #define DS4_PDL_PREFETCH 0
 #endif
 #if !DS4_IS_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void ds4_prefetch_l2(const void* p, long long n) {
-    unsigned long long a = ((unsigned long long)p + 15ull) & ~15ull, e = ((unsigned long long)p + n) & ~15ull;
+__device__ __forceinline__ void ds4_prefetch_rows(const void* W, int N, int rows, long long rb) {
+    int r0 = (int)blockIdx.x * rows, n = N - r0 < rows ? N - r0 : rows;
+    unsigned long long p = (unsigned long long)W + ((long long)blockIdx.y * N + r0) * rb;
+    unsigned long long a = (p + 15ull) & ~15ull, e = (p + n * rb) & ~15ull;
     if (DS4_PDL_PREFETCH && threadIdx.x == 0 && e > a)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((unsigned)(e - a)) : "memory");
 }
 #else
-__device__ __forceinline__ void ds4_prefetch_l2(const void*, long long) {}
+__device__ __forceinline__ void ds4_prefetch_rows(const void*, int, int, long long) {}
 #endif
-#define DS4_KERNEL_ENTRY_PREFETCH(p, n) \
-    ds4_prefetch_l2((p), (n));          \
+#define DS4_KERNEL_ENTRY_PREFETCH(W, N, rows, rb) \
+    ds4_prefetch_rows((W), (N), (rows), (rb));    \
     DS4_KERNEL_ENTRY
 
 #define DS4_INF (__int_as_float(0x7f800000))

@@ -113,11 +113,7 @@ extern "C" __global__ void ds4_matvec3_ksum(const float* __restrict__ part, floa
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \
         NAME(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,     \
              int ldy, long long gs, const int* lane_slot) {                                        \
-        DS4_KERNEL_ENTRY_PREFETCH(W + ((long long)blockIdx.y * N + blockIdx.x * (MV3_WARPS * R))  \
-                                          * mv3_row_bytes(WT, K),                                  \
-                                  (N - (int)blockIdx.x * (MV3_WARPS * R) < MV3_WARPS * R           \
-                                       ? N - (int)blockIdx.x * (MV3_WARPS * R) : MV3_WARPS * R)    \
-                                      * mv3_row_bytes(WT, K));                                     \
+        DS4_KERNEL_ENTRY_PREFETCH(W, N, MV3_WARPS * R, mv3_row_bytes(WT, K));                         \
         mv3_body<WT, R, U>(W, x, y, N, K, L, ldx, xg, ldy, gs, lane_slot);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(MV3_WARPS * DS4_WARP)                            \

@@ -180,9 +180,7 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
     extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, MQ_MIN_BLOCKS)                              \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
              int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
-        DS4_KERNEL_ENTRY_PREFETCH(W + ((long long)blockIdx.y * N + blockIdx.x * (MQ_WARPS * R)) * rb,    \
-                                  (N - (int)blockIdx.x * (MQ_WARPS * R) < MQ_WARPS * R                  \
-                                       ? N - (int)blockIdx.x * (MQ_WARPS * R) : MQ_WARPS * R) * rb);   \
+        DS4_KERNEL_ENTRY_PREFETCH(W, N, MQ_WARPS * R, rb);                                              \
         mq_body<WT, R>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                      \
     }
 
