@@ -80,10 +80,12 @@ def test_other_repacks_keep_every_byte(wtype):
     """[codes][scales] per row: the file's blocks come back by moving the scale bytes in front."""
     nbytes, per = g.BLOCK_QUANTS[wtype]
     head = {"q8_0": 2, "iq2_xxs": 2, "mxfp4": 1}[wtype]
-    K = 512
+    K = 1280  # 40 blocks of 32 columns: a full run and a short one
     raw = np.random.default_rng(3).integers(0, 256, (3, K // per * nbytes), dtype=np.uint8)
     packed = g.pack_qrows(wtype, raw)
     nblk = K // per
     body = packed[:, :nblk * (nbytes - head)].reshape(3, nblk, nbytes - head)
+    if wtype == "q8_0":  # runs of 32 blocks, halves apart
+        body = g.q8_run_halves(body.reshape(3, -1), inverse=True)
     scales = packed[:, nblk * (nbytes - head):nblk * nbytes].reshape(3, nblk, head)
     assert np.array_equal(np.concatenate([scales, body], axis=2).reshape(3, -1), raw)

@@ -915,7 +915,8 @@ def packed_row_bytes(wtype: str, K: int) -> int:
 
 def pack_qrows(wtype: str, raw: np.ndarray) -> np.ndarray:
     """GGUF rows (rows, row bytes) uint8 -> the layout qdot.hip reads, where a lane's 32-column
-    block is one aligned load: Q8_0 [K int8 codes][K/32 f16 d], IQ2_XXS [K/32 x 8-byte
+    block is one aligned load: Q8_0 [K int8 codes in runs of 32 blocks, each run's first 16 codes
+    of every block, then their last 16 (q8_run_halves)][K/32 f16 d], IQ2_XXS [K/32 x 8-byte
     sub-blocks][K/256 f16 d], MXFP4 [K/32 x 16 code bytes][K/32 E8M0 bytes], Q2_K
     [K/32 x 8 code bytes (q2k_block_codes)][K/16 scale bytes][K/256 x f16 d, f16 dmin], each row
     padded to 16 bytes. Q4_K keeps the file's super-blocks (16-byte aligned already). Every
@@ -932,11 +933,29 @@ def pack_qrows(wtype: str, raw: np.ndarray) -> np.ndarray:
                  blk[..., 80:84].reshape(rows, -1)]
     else:
         head = {"q8_0": 2, "iq2_xxs": 2, "mxfp4": 1}[wtype]  # the block's scale bytes come first
-        parts = [blk[..., head:].reshape(rows, -1), blk[..., :head].reshape(rows, -1)]
+        codes = q8_run_halves(blk[..., head:]) if wtype == "q8_0" else blk[..., head:]
+        parts = [codes.reshape(rows, -1), blk[..., :head].reshape(rows, -1)]
     body = np.concatenate(parts, axis=1)
     out = np.zeros((rows, packed_row_bytes(wtype, K)), np.uint8)
     out[:, :body.shape[1]] = body
     return out
+
+
+def q8_run_halves(codes: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Q8_0 codes (rows, blocks, 32) -> (rows, blocks * 32) in runs of 32 blocks (the last run
+    shorter), each run's first halves (16 codes a block) before its second halves: the order
+    ds4_qblock.h's q8_half reads. inverse: the same run order back to (rows, blocks, 32)."""
+    codes = np.asarray(codes, np.uint8)
+    rows = codes.shape[0]
+    nb = codes.size // (rows * 32)
+    flat = codes.reshape(rows, nb * 32)
+    out = np.empty_like(flat)
+    for b0 in range(0, nb, 32):
+        m = min(32, nb - b0)
+        run = flat[:, b0 * 32:(b0 + m) * 32]
+        out[:, b0 * 32:(b0 + m) * 32] = (run.reshape(rows, 2, m, 16) if inverse else
+                                         run.reshape(rows, m, 2, 16)).swapaxes(1, 2).reshape(rows, -1)
+    return out.reshape(rows, nb, 32) if inverse else out
 
 
 def q2k_block_codes(qs: np.ndarray) -> np.ndarray:
@@ -1013,23 +1032,43 @@ _QG_BUILD = {"q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 
 
 def qmatvec_rows_per_warp(rows: int) -> int:
-    return 2 if rows >= 16 else 1
+    """Rows a warp of the decode products (rows: the launch's, all groups). Measured on the H200
+    (docs/performance.md): one row a warp up to 1,024 rows (Flash's attn_q_a, attn_kv), where
+    the grid is otherwise too small to keep the memory busy; two from there on."""
+    return 2 if rows > 1024 else 1
+
+
+# Blocks a multiprocessor of the decode products' grid (0: one block a row block). A block then
+# walks row blocks and stages its inputs once where all of K fits (qdot.hip's mq_body): at 2,
+# Flash's attn_q_b (32768 x 1024) took 15 % less at 1 and at 16 lanes, the others the same.
+QMATVEC_BLOCKS_PER_SM = 2
+
+
+def qmatvec_grid(rt, row_blocks: int, per_sm: int | None = None) -> int:
+    per_sm = QMATVEC_BLOCKS_PER_SM if per_sm is None else per_sm
+    cap = per_sm * max(1, int(getattr(rt.info, "multiprocessors", 0) or 32))
+    return min(row_blocks, cap) if cap else row_blocks
 
 
 def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, groups: int = 1,
                    Wx: int | None = None, xg: int = 0, ldy: int | None = None, gs: int | None = None,
-                   lane_slot: DeviceBuffer | None = None, gemm: bool = True) -> None:
+                   lane_slot: DeviceBuffer | None = None, gemm: bool = True, max_blocks: int = 0,
+                   rows_per_warp: int | None = None, blocks_per_sm: int | None = None) -> None:
     """y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K] (gs = N by default) with x quantised
     in q (rows Wx wide); past MMA_ROWS rows the tiled GEMM (qgemm.hip) unless gemm is off (the
-    decode kernel, for timing them side by side)."""
+    decode kernel, for timing them side by side). max_blocks caps the decode kernel's grid (the op
+    twins' check of its row-block loop); rows_per_warp and blocks_per_sm override the policy
+    (qmatvec_rows_per_warp, QMATVEC_BLOCKS_PER_SM; 0 blocks: uncapped) for the op table."""
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
     if L > MMA_ROWS and gemm:
         module = rt.compile_file(_SOURCES["qgemm"], (f"-DQG_BUILD={_QG_BUILD[w.wtype]}",))
         grid, fn = (_blocks(n, 64), _blocks(L, 64), groups), module.kernel(f"ds4_qgemm_{w.wtype}")
     else:
-        r = qmatvec_rows_per_warp(n)
-        grid, fn = (_blocks(n, 8 * r), groups, lane_groups(L)), kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}")
+        r = rows_per_warp or qmatvec_rows_per_warp(w.rows)
+        row_blocks = _blocks(n, 8 * r)
+        blocks = min(row_blocks, max_blocks) if max_blocks else qmatvec_grid(rt, row_blocks, blocks_per_sm)
+        grid, fn = (blocks, groups, lane_groups(L)), kernel(rt, "qdot", f"ds4_qmatvec_{w.wtype}_r{r}")
     rt.launch(fn, grid, (256,), (w.buf, np.int64(packed_row_bytes(w.wtype, w.cols)), q.xq, q.dx, q.xs, y, I32(n),
                                  I32(w.cols), I32(L), I32(Wx or w.cols), I32(xg), I32(ldy or w.rows),
                                  np.int64(n if gs is None else gs), lane_slot))
@@ -1042,9 +1081,9 @@ def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, 
                I32(N), I32(K), I32(kk)))
 
 
-def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = True):
+def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = True, max_blocks: int = 0):
     """Twin of canon.qlinear: raw GGUF rows (N, row bytes), x (L, K) -> (L, N); the backend's
-    kernel for L rows, or without gemm the decode kernel for any L."""
+    kernel for L rows, or without gemm the decode kernel for any L (max_blocks: launch_qmatvec's)."""
     rt = _rt(rt)
     x = _f32(np.atleast_2d(x))
     L, K = x.shape
@@ -1056,7 +1095,7 @@ def qmatvec(raw, wtype: str, x, rt=None, gemm: bool = True):
         with _Scope(rt) as s:
             y = s.out((L, dw.rows))
             launch_quantize_q8(rt, s.up(x), q, L, K)
-            launch_qmatvec(rt, dw, q, y, L, gemm=gemm)
+            launch_qmatvec(rt, dw, q, y, L, gemm=gemm, max_blocks=max_blocks)
             return s.get(y, (L, dw.rows))
     finally:
         dw.buf.free()

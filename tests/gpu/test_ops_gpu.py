@@ -229,6 +229,20 @@ def test_qmatvec_batch_invariance(rt, wtype):
 
 
 @pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+@pytest.mark.parametrize("k", [1024, 4096 + 1024])
+def test_qmatvec_row_block_loop(rt, wtype, k):
+    """A block walking row blocks (grid capped at 3) gives every row the bits of one block a row
+    block: reusing its staged inputs where K fits (1024 at 16 lanes), staging chunk by chunk where
+    it does not, with a partial last row block (1000 rows)."""
+    raw = make_weight(13, 1000, k, wtype)[0]
+    x = rnd(14, 16, k)
+    one_each = g.qmatvec(raw, wtype, x, rt=rt)
+    assert same_bits(one_each, canon_qlinear(x, raw, wtype))
+    for L in (16, 1):
+        assert np.array_equal(g.qmatvec(raw, wtype, x[:L], rt=rt, max_blocks=3), one_each[:L])
+
+
+@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
 @pytest.mark.parametrize("k", [2048 + 256, 1024, 256])
 def test_qgemm_every_type(rt, wtype, k):
     """The tiled GEMM of prompt passes (ds4_qgemm_*: §2a's partial chains walked in the
@@ -254,3 +268,4 @@ def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     assert max(n + min(16, p + 1) for n, p, s in zip(lanes.nvis, lanes.pos, lanes.slot) if s >= 0) > 2 * 32
     for a, b in zip(got, want):
         assert same_bits(a, b)
+

@@ -39,16 +39,12 @@ struct QBlock {
 template <int WT>
 struct QHasMin { static const bool value = WT == WT_Q2_K || WT == WT_Q4_K; };
 
-// IQ2_XXS's grid and sign patterns as packed int8 words, built in shared memory once per
-// block: a group of 8 codes is then two table reads and four word operations instead of
-// unpacking 16 bits of grid and 8 sign bits element by element (the unpacking cost more
-// than the weight reads). vals[i]: the 8 magnitudes of grid row i (8, 25 or 43), one byte
-// each; signs[s]: 0xff in byte e where ggml's ksigns_iq2xs[s] negates element e (bit 7 makes
-// the parity even). A byte g of vals is negated as (g ^ 0xff) + 1, which cannot carry out
-// of its byte for g in 1..127, so (v ^ m) + (m & 0x01010101) applies a word's signs exactly.
+// IQ2_XXS's grid as packed int8 words, built in shared memory once per block: a group of 8
+// codes is then one table read and a few word operations instead of unpacking 16 bits of grid
+// element by element (the unpacking cost more than the weight reads). vals[i]: the 8 magnitudes
+// of grid row i (8, 25 or 43), one byte each.
 struct Iq2Tables {
     uint2 vals[256];
-    uint2 signs[128];
 };
 
 __device__ __forceinline__ void iq2_tables_fill(Iq2Tables* t) {
@@ -61,13 +57,18 @@ __device__ __forceinline__ void iq2_tables_fill(Iq2Tables* t) {
         }
         t->vals[i] = make_uint2(word[0], word[1]);
     }
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) {
-        ds4_u32 sg = (ds4_u32)i | ((ds4_u32)(__popc(i) & 1) << 7), m[2] = {0, 0};
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            if ((sg >> e) & 1u) m[e / 4] |= 0xffu << (8 * (e % 4));
-        t->signs[i] = make_uint2(m[0], m[1]);
-    }
+}
+
+// A group's 8 magnitudes v (words of 4 bytes) with its signs applied: s7 holds the signs of
+// columns 0..6, and column 7's makes the parity even (ggml's ksigns_iq2xs). Computed, not read
+// from a table: a random 8-byte shared read per group conflicts across the warp's lanes, and
+// measured slower. Bit e of a nibble times 0x00204081 lands on bit 8e (no two products share a
+// bit), so n01 has 0x01 in each negated byte; a byte g in 1..127 is negated as (g ^ 0xff) + 1,
+// which cannot carry out of its byte.
+__device__ __forceinline__ uint2 iq2_signed(uint2 v, ds4_u32 s7) {
+    ds4_u32 s8 = s7 | ((ds4_u32)(__popc(s7) & 1) << 7);
+    ds4_u32 n01lo = ((s8 & 15u) * 0x00204081u) & 0x01010101u, n01hi = ((s8 >> 4) * 0x00204081u) & 0x01010101u;
+    return make_uint2((v.x ^ (n01lo * 0xffu)) + n01lo, (v.y ^ (n01hi * 0xffu)) + n01hi);
 }
 
 // The bytes of block b (columns 32b .. 32b+31) of the row at rp (K columns) as loaded, before
@@ -79,12 +80,19 @@ struct QRaw {
     ds4_u32 dd;   // Q2_K and Q4_K: f16 d, f16 dmin
 };
 
+// Byte offset of half h (columns 16h .. 16h+15) of Q8_0 block b in a packed row of K columns:
+// the codes go in runs of 32 blocks (ops.pack_qrows), each run's first halves, then its second
+// halves, so the 32 lanes of a warp, one block each, read 512 consecutive bytes per load.
+__device__ __forceinline__ long long q8_half(int K, int b, int h) {
+    int b0 = b & ~31, m = K / QB - b0 < 32 ? K / QB - b0 : 32;
+    return (long long)b0 * QB + (h * m + (b - b0)) * 16;
+}
+
 template <int WT>
 __device__ __forceinline__ void qr_load(const ds4_u8* __restrict__ rp, int K, int b, QRaw<WT>& r) {
     if (WT == WT_Q8_0) {
-        const uint4* p = (const uint4*)(rp + (long long)b * 32);
-        r.a = p[0];
-        r.c = p[1];
+        r.a = *(const uint4*)(rp + q8_half(K, b, 0));
+        r.c = *(const uint4*)(rp + q8_half(K, b, 1));
         r.s = ((const ds4_u16*)(rp + K))[b];
     } else if (WT == WT_MXFP4) {
         r.a = *(const uint4*)(rp + (long long)b * 16);
@@ -144,10 +152,9 @@ __device__ __forceinline__ void qr_decode(const QRaw<WT>& r, int b, QBlock& q, c
         q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
-            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
-            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
-            q.c[2 * l] = (int)((v.x ^ m.x) + (m.x & 0x01010101u));
-            q.c[2 * l + 1] = (int)((v.y ^ m.y) + (m.y & 0x01010101u));
+            uint2 v = iq2_signed(iq2->vals[(aux0 >> (8 * l)) & 0xffu], (aux1 >> (7 * l)) & 127u);
+            q.c[2 * l] = (int)v.x;
+            q.c[2 * l + 1] = (int)v.y;
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
@@ -214,9 +221,8 @@ template <int WT>
 __device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, int b, int t, QBlock& q,
                                         const Iq2Tables* iq2) {
     if (WT == WT_Q8_0) {
-        const int* p = (const int*)(rp + (long long)b * 32);
-        q.c[0] = p[t];
-        q.c[4] = p[4 + t];
+        q.c[0] = ((const int*)(rp + q8_half(K, b, 0)))[t];
+        q.c[4] = ((const int*)(rp + q8_half(K, b, 1)))[t];
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
         q.s2 = 0.0f;
@@ -228,10 +234,8 @@ __device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, in
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             int k = 4 * h + t, l = k / 2;
-            uint2 v = iq2->vals[(aux0 >> (8 * l)) & 0xffu];
-            uint2 m = iq2->signs[(aux1 >> (7 * l)) & 127u];
-            ds4_u32 vv = k % 2 ? v.y : v.x, mm = k % 2 ? m.y : m.x;
-            q.c[4 * h] = (int)((vv ^ mm) + (mm & 0x01010101u));
+            uint2 v = iq2_signed(iq2->vals[(aux0 >> (8 * l)) & 0xffu], (aux1 >> (7 * l)) & 127u);
+            q.c[4 * h] = (int)(k % 2 ? v.y : v.x);
         }
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;

@@ -76,7 +76,9 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
     const ds4_u8* rowp[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) rowp[i] = Wb + (long long)(row0 + i < N ? row0 + i : 0) * rb;
-    ds4_i8* sq = (ds4_i8*)smem;                    // [na][KC] codes
+    // [na][KC] codes, each chunk's 16-byte halves apart: [nb first halves][nb second halves], so
+    // the lanes' loads of consecutive blocks are consecutive (a 32-byte stride conflicts 2-way)
+    ds4_i8* sq = (ds4_i8*)smem;
     float* sd = (float*)(smem + na * KC);          // [na][KC/32] block scales
     short* ss = (short*)(sd + na * (KC / QB));     // [na][KC/16] half sums
 
@@ -97,7 +99,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                 int n16 = kc / 16;
                 for (int e = threadIdx.x; e < na * n16; e += blockDim.x) {  // 16 codes per 16-byte load
                     int a = e / n16, j = e - a * n16;
-                    ((uint4*)(sq + (long long)a * KC))[j] = ((const uint4*)(xq + xoff[a] + c0))[j];
+                    ((uint4*)(sq + (long long)a * KC))[(j & 1) * nb + (j >> 1)] = ((const uint4*)(xq + xoff[a] + c0))[j];
                 }
                 for (int e = threadIdx.x; e < na * nb; e += blockDim.x) {
                     int a = e / nb, j = e - a * nb;
@@ -118,11 +120,11 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                 QBlock w[R];
 #pragma unroll
                 for (int i = 0; i < R; ++i) qr_decode<WT>(raw[j][i], b, w[i], iq2);
+                const uint4* xp = (const uint4*)sq + lb;
 #pragma unroll
                 for (int a = 0; a < MV_LANES; ++a) {
                     if (a >= na) break;
-                    const uint4* xp = (const uint4*)(sq + (long long)a * KC + lb * QB);
-                    uint4 x0 = xp[0], x1 = xp[1];
+                    uint4 x0 = xp[a * (KC / 16)], x1 = xp[a * (KC / 16) + nb];
                     float d = sd[a * (KC / QB) + lb];
                     int X0 = 0, X1 = 0;
                     if (has_min) {
@@ -135,11 +137,12 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                         S0 = ds4_dp4a(w[i].c[1], (int)x0.y, S0);
                         S0 = ds4_dp4a(w[i].c[2], (int)x0.z, S0);
                         S0 = ds4_dp4a(w[i].c[3], (int)x0.w, S0);
-                        int S1 = ds4_dp4a(w[i].c[4], (int)x1.x, 0);
+                        // without per-half multipliers the halves share one integer sum (the same value)
+                        int S1 = ds4_dp4a(w[i].c[4], (int)x1.x, has_min ? 0 : S0);
                         S1 = ds4_dp4a(w[i].c[5], (int)x1.y, S1);
                         S1 = ds4_dp4a(w[i].c[6], (int)x1.z, S1);
                         S1 = ds4_dp4a(w[i].c[7], (int)x1.w, S1);
-                        int A = w[i].mul0 * S0 + w[i].mul1 * S1;
+                        int A = has_min ? w[i].mul0 * S0 + w[i].mul1 * S1 : S1;
                         float t = w[i].s1 * (float)A;
                         if (has_min) t = t - w[i].s2 * (float)(w[i].mn0 * X0 + w[i].mn1 * X1);
                         acc[i][a] = fmaf(d, t, acc[i][a]);
@@ -152,7 +155,9 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
 }
 
 // Dense: y[l*ldy + g*gs + r] = W[g*N + r] . x[l, g*xg : g*xg + K], x quantised with rows W columns
-// wide (xq row l at l*W). Grid (ceil(N / (8R)), groups, lane groups of 16); gs as matvec.hip's.
+// wide (xq row l at l*W). Grid (up to ceil(N / (8R)), groups, lane groups of 16): a block takes row
+// blocks blockIdx.x, + gridDim.x, ..., staging its inputs once where they fit whole (ops.qmatvec_grid);
+// gs as matvec.hip's.
 template <int WT, int R>
 __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
                         float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
@@ -172,8 +177,10 @@ __device__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         soff[threadIdx.x] = (l * Wx + (long long)g * xg) / 16;
         ybase[threadIdx.x] = l * ldy + g * gs;
     }
-    mq_rows<WT, R>(W + (long long)g * N * rb, rb, N, K, na, xq, dx, xs, xoff, doff, soff, ybase, y, smem,
-                   blockIdx.x, iq2, false);
+    int rblocks = (N + MQ_WARPS * R - 1) / (MQ_WARPS * R);
+    for (int rblk = blockIdx.x; rblk < rblocks; rblk += gridDim.x)
+        mq_rows<WT, R>(W + (long long)g * N * rb, rb, N, K, na, xq, dx, xs, xoff, doff, soff, ybase, y, smem,
+                       rblk, iq2, rblk != (int)blockIdx.x);
 }
 
 #define DS4_QMATVEC(NAME, WT, R)                                                                      \
