@@ -684,23 +684,35 @@ def perf_argmax(b, L):
     b.add("argmax 129280", L, 4 * L * V, [lambda: g.launch_argmax(b.rt, lo, am, L, V)])
 
 
-def perf_qmatvec(b, L):
-    """Official numerics' quantised products at Flash's widest common shape, quantise included."""
-    rt = b.rt
-    for wtype in ("q8_0", "q2_k", "iq2_xxs"):
-        raw = make_weight(0, 4096, 4096, wtype)[0]
-        packed = g.pack_qrows(wtype, raw)
-        dw = g.DeviceWeight(b.up(packed), wtype, 4096, 4096, packed=True)
-        q = g.Q8Rows.alloc(rt, L * 4096)
-        b.keep += [q.xq, q.dx, q.xs]
-        x, y = b.up(b.rnd(L, 4096)), b.out((L, 4096))
+# Flash's Q8_0 products in the q2 policy (the shared expert's gate and up are one joint launch)
+QMATVEC_SHAPES = [("attn_q_a", 1024, 4096), ("attn_kv", 512, 4096), ("attn_q_b", 32768, 1024),
+                  ("attn_output_b", 4096, 8192), ("shexp gate+up", 4096, 4096), ("shexp down", 4096, 2048)]
 
+
+def perf_qmatvec(b, L):
+    """Official numerics' quantised products, quantise included: the three types at 4096 x 4096,
+    then Flash's Q8_0 shapes with the rows per warp and the blocks a multiprocessor forced (every
+    variant gives the same bits; 0 blocks a multiprocessor: one block a row block)."""
+    rt = b.rt
+    cases = [(f"qmatvec {wtype} 4096x4096 (+ quantize)", wtype, 4096, 4096, ((None, None),))
+             for wtype in ("q8_0", "q2_k", "iq2_xxs")]
+    cases += [(f"qmatvec {name} q8_0 {n}x{k} (+ quantize)", "q8_0", n, k, ((1, 0), (2, 0), (2, 2), (2, 4)))
+              for name, n, k in QMATVEC_SHAPES]
+    for label, wtype, n, k, variants in cases:
+        packed = g.pack_qrows(wtype, make_weight(0, n, k, wtype)[0])
+        copies = max(1, min(8, -(-4 * L2_BYTES // packed.nbytes)))
+        dws = [g.DeviceWeight(b.up(packed), wtype, n, k, packed=True) for _ in range(copies)]
+        q = g.Q8Rows.alloc(rt, L * k)
+        b.keep += [q.xq, q.dx, q.xs]
+        x, y = b.up(b.rnd(L, k)), b.out((L, n))
         for gemm in (False, True) if L > g.MMA_ROWS else (False,):
-            def run(dw=dw, q=q, x=x, y=y, gemm=gemm):
-                g.launch_quantize_q8(rt, x, q, L, 4096)
-                g.launch_qmatvec(rt, dw, q, y, L, gemm=gemm)
-            b.add(f"qmatvec {wtype} 4096x4096 (+ quantize){' [qgemm]' if gemm else ''}", L,
-                  packed.nbytes + 4 * L * 2 * 4096, [run])
+            for rpw, per_sm in variants if not gemm else ((None, None),):
+                def run(dw, q=q, x=x, y=y, gemm=gemm, k=k, rpw=rpw, per_sm=per_sm):
+                    g.launch_quantize_q8(rt, x, q, L, k)
+                    g.launch_qmatvec(rt, dw, q, y, L, gemm=gemm, rows_per_warp=rpw, blocks_per_sm=per_sm)
+                tag = " [qgemm]" if gemm else f" [r{rpw}{f', {per_sm}/SM' if per_sm else ''}]" if rpw else ""
+                b.add(label + tag, L, packed.nbytes + 4 * L * (k + n),
+                      [lambda dw=dw, run=run: run(dw) for dw in dws], f"{copies} weight copies")
 
 
 def _make_block_quants(seed, L, n, kb, wtype):
@@ -723,12 +735,13 @@ def _make_routed(seed, L, E, kk, shape, down, wtype, rpw):
     return None if made is None else (*made, {"rows_per_warp": rpw})
 
 
-def _make_qmatvec(seed, L, n, kb, wtype):
-    """Every quantised encoding, K up to 6400 (past several staged chunks, not only whole ones)."""
+def _make_qmatvec(seed, L, n, kb, wtype, max_blocks):
+    """Every quantised encoding, K up to 6400 (past several staged chunks, not only whole ones);
+    max_blocks 2: a block walks several row blocks (reusing staged inputs where K fits)."""
     k = 32 * kb if g.BLOCK_QUANTS[wtype][1] == 32 else 256 * max(1, kb // 8)
     raw = make_weight(seed, n, k, wtype)[0]
     x = rnd(seed + 1, L, k)
-    return (raw, wtype, x), (x, raw, wtype)
+    return (raw, wtype, x), (x, raw, wtype), dict(max_blocks=max_blocks)
 
 
 def _make_qrouted(seed, L, E, kk, shape, down, wtype):
@@ -838,7 +851,8 @@ CASES: tuple[OpCase, ...] = (
            compare="bits, any NaN"),
     OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qgemm_*"), g.qmatvec,
            lambda x, raw, wtype: canon_qlinear(x, raw, wtype), _make_qmatvec,
-           dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qmatvec),
+           dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES), max_blocks=[0, 2]), "prompt",
+           perf=perf_qmatvec),
     OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,
            lambda mats, wtype, x, ids: ref_experts(
                mats, wtype, x, ids, lambda xi, m, wt: canon_qlinear(xi[None], m[0], wt)[0]),
