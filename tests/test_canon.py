@@ -3,7 +3,8 @@
 * exp / log1p / sigmoid / softplus stay within their stated ulp bounds of float64 maths;
 * the Numba loops compute exactly the written order: a second, vectorised NumPy
   implementation of each definition gives the same bits (NumPy never fuses a multiply
-  and an add, so this also proves Numba does not contract);
+  and an add, so this also proves Numba does not contract where no fma is written; the
+  float products' fma is computed there independently, by rounding to odd in float64);
 * every canonical op stays within 1e-5 (norm-wise) of the same op in float64;
 * a batched linear (R rows at once) gives every row the bits it gets alone; the fused
   kernels equal their op compositions;
@@ -81,8 +82,48 @@ def butterfly(p: np.ndarray) -> np.ndarray:
     return p[..., 0]
 
 
+def fma_vectorised(a, b, c) -> np.ndarray:
+    """fma(a, b, c) of float32 arrays, rounded once, without an fma instruction: a * b is exact
+    in float64 (48 bits), their sum with c is taken to float64 by rounding to odd (the nearest
+    float64, its last bit set when it is inexact, from TwoSum's error term), and rounding that
+    to float32 is then the one correct rounding (Boldo and Melquiond: odd rounding at two or
+    more extra bits does not double-round)."""
+    a, b, c = np.broadcast_arrays(*(np.atleast_1d(np.asarray(v, F32)) for v in (a, b, c)))
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    with np.errstate(invalid="ignore"):
+        v = s - p
+        err = (p - (s - v)) + (c64 - v)  # s + err == p + c exactly where s is finite
+    bits = s.view(np.int64).copy()
+    fix = np.isfinite(s) & (err != 0) & (bits & 1 == 0)
+    # the odd neighbour on err's side: one ulp up in magnitude where err has s's sign
+    bits[fix] += np.where((err[fix] > 0) == (s[fix] > 0), 1, -1)
+    return bits.view(np.float64).astype(F32)
+
+
+@settings(max_examples=200)
+@given(a=st.floats(width=32), b=st.floats(width=32), c=st.floats(width=32))
+def test_fma_vectorised_is_the_fused_rounding(a, b, c):
+    """The oracle's fma equals LLVM's (canon.fma_f32) bit for bit: subnormals, overflow,
+    infinities, NaN and the exact-product cases hypothesis finds at the edges."""
+    got, want = fma_vectorised(a, b, c)[0], F32(canon.fma(a, b, c))
+    assert (np.isnan(got) and np.isnan(want)) or got.view(np.uint32) == want.view(np.uint32)
+
+
+def test_fma_vectorised_rounds_once_where_twice_would_differ():
+    """a * b + c = 1 + 2^-24 + 2^-60 exactly: just above the float32 tie 1 + 2^-24, so the one
+    rounding gives 1 + 2^-23; rounding the sum to float64 first lands on the tie, whose even
+    neighbour is 1 (the double rounding the oracle's round-to-odd avoids)."""
+    a, b, c = F32(2.0**-24 * (1 + 2.0**-12)), F32(1 - 2.0**-12 + 2.0**-24), F32(1)
+    once, twice = F32(1 + 2.0**-23), F32(np.float64(a) * np.float64(b) + np.float64(c))
+    assert twice == 1 and canon.fma(a, b, c) == once
+    assert fma_vectorised(a, b, c)[0] == once
+
+
 def warp8_dot_vectorised(x: np.ndarray, w: np.ndarray, slice_cols: int) -> np.ndarray:
-    """x (n, K) . w (N, K): per slice, lane t sums columns t*8..t*8+7 of each 256-column step."""
+    """x (n, K) . w (N, K): per slice, lane t sums columns t*8..t*8+7 of each 256-column step,
+    each term as fma(w, x, partial)."""
     n, k = x.shape
     out = np.zeros((n, w.shape[0]), F32)
     for c0 in range(0, k, slice_cols):
@@ -93,7 +134,7 @@ def warp8_dot_vectorised(x: np.ndarray, w: np.ndarray, slice_cols: int) -> np.nd
         p = np.zeros((n, w.shape[0], 32), F32)
         for s in range(xs.shape[1]):
             for j in range(8):
-                p = p + ws[None, :, s, :, j] * xs[:, None, s, :, j]
+                p = fma_vectorised(ws[None, :, s, :, j], xs[:, None, s, :, j], p)
         out = out + butterfly(p)
     return out
 

@@ -217,7 +217,7 @@ def test_completion_top_logprobs_keys_are_distinct_and_hold_the_chosen_token(tin
 # ---- response_format (llguidance) ------------------------------------------------------------
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer",
-                                                                                        "maximum": 9}},
+                                                                                        "minimum": 0, "maximum": 9}},
           "required": ["color", "n"], "additionalProperties": False}
 
 

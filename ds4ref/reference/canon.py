@@ -184,18 +184,18 @@ def _butterfly_cols(p, live, n):
 @numba.njit(cache=True)
 def _dot_warp8(w, x, c0, clen, p):
     """Warp dot of w[c0:c0+clen] . x[c0:c0+clen]: lane t sums columns t*8 .. t*8+7 of every
-    256-column step, steps in order, then the butterfly."""
+    256-column step, steps in order, each term as fma(w, x, partial), then the butterfly."""
     full = clen // (LANES * 8) * (LANES * 8)
     for t in range(LANES):
         acc = _ZERO
         for s in range(0, full, LANES * 8):
             o = c0 + s + t * 8
             for j in range(8):
-                acc = acc + w[o + j] * x[o + j]
+                acc = fma_f32(w[o + j], x[o + j], acc)
         for j in range(8):  # the last, partial step
             c = full + t * 8 + j
             if c < clen:
-                acc = acc + w[c0 + c] * x[c0 + c]
+                acc = fma_f32(w[c0 + c], x[c0 + c], acc)
         p[t] = acc
     return _butterfly(p, LANES)
 
@@ -225,8 +225,9 @@ def _lane_partials(wt, x, c0, clen, p, n_in, fused):
     inputs x[:n_in], sharing each weight load: lane t's partial takes column
     c = s*256 + t*8 + j of the slice [c0, c0 + clen), and visiting (s, j, t) in that nesting
     keeps each partial's additions in the order s, then j. Returns the lanes that got a column.
-    fused: each term enters as fma(w, x, partial) instead of partial + w * x. The canonical
-    products never fuse; benchmarks/fma_products.py measures what fusing would do."""
+    fused: each term enters as fma(w, x, partial), the canonical product (docs/exactness.md
+    §2); without it, as partial + w * x (two roundings), the alternative that
+    benchmarks/fma_products.py measures against it."""
     bw = wt.shape[1]
     live = min(LANES, (clen + 7) // 8)
     p[:n_in, :live, :] = _ZERO
@@ -275,7 +276,7 @@ def _matmul_item(x, wb, rows, ks, y, b, a, p, fused):
 
 
 @numba.njit(cache=True)
-def _matmul(x, wb, rows, ks, fused=False):
+def _matmul(x, wb, rows, ks, fused=True):
     """y = x @ w.T for every input row at once, w given as `weight_blocks(w)`. Each output
     element is exactly the warp dot of _matvec: the same 32 partials, each summed in the
     same order, the same butterfly, the slices summed in order; so a row's outputs do not
@@ -291,7 +292,7 @@ def _matmul(x, wb, rows, ks, fused=False):
 
 
 @numba.njit(cache=True, parallel=True)
-def _matmul_par(x, wb, rows, ks, fused=False):
+def _matmul_par(x, wb, rows, ks, fused=True):
     """_matmul on all of Numba's threads: the items (weight block, input pair) write disjoint
     outputs, so no sum depends on the thread or the order."""
     n = x.shape[0]
@@ -364,7 +365,8 @@ _Q8_MAX = F32(127.0)
 @intrinsic
 def fma_f32(typingctx, a, b, c):
     """a * b + c with one rounding (LLVM's llvm.fma.f32, correctly rounded: in hardware on
-    x86-64 with FMA, else libm's fmaf). The only fused operation of the canonical arithmetic."""
+    x86-64 with FMA, else libm's fmaf). The canonical arithmetic's only fused operation: each
+    term of a float product, and each block of a quantised one, enters its partial by it."""
     if not all(t == numba.types.float32 for t in (a, b, c)):
         return None
     sig = numba.types.float32(numba.types.float32, numba.types.float32, numba.types.float32)

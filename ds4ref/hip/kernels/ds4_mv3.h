@@ -2,7 +2,8 @@
 // step_ops.hip (routed experts). Inlined into a kernel source by runtime.load_source.
 // See matvec.hip's v3 section for the design; the per-input reduction order is v1's:
 // warp lane t sums columns t*8 .. t*8+7 of every 256-column step in increasing order,
-// then the xor butterfly combines the 32 partials.
+// each term entering its partial as fma(w, x, partial) (docs/exactness.md §2), then the
+// xor butterfly combines the 32 partials.
 #pragma once
 #include "ds4_hip.h"
 #include "ds4_iq2xxs.h"
@@ -222,6 +223,20 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 #define MV3_STG 4  // float4 staging loads a thread keeps in flight per batch (8 would need ~174
                    // registers for bf16 r2 with the weight group also in flight: one block per SM)
 
+// A lane's eight terms of one 256-column step, in column order, each entering the partial as
+// fma(w, x, s): one rounding a term (docs/exactness.md §2). MV3_TWO_ROUNDINGS=1 builds the
+// former s + w * x instead, only to time the two side by side: it changes the bits, so no
+// check runs with it.
+#ifndef MV3_TWO_ROUNDINGS
+#define MV3_TWO_ROUNDINGS 0
+#endif
+__device__ __forceinline__ float mv3_terms8(float s, const float (&w)[8], float4 p, float4 q) {
+    const float x[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s = MV3_TWO_ROUNDINGS ? s + w[e] * x[e] : fmaf(w[e], x[e], s);
+    return s;
+}
+
 // y[ybase[a] + row0 + i] <- the sum over the warp of acc[i][a] (ds4_warp_sum's butterfly) for the
 // na inputs and the rows below N. The butterflies of MV_SUMG inputs x R rows run side by side, so a
 // shuffle's latency is spent on the others' instead of being waited out one sum at a time; the
@@ -340,12 +355,7 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
                 if (na == 1) {
                     float4 p = xs4[xb], q = xs4[xb + 32];
 #pragma unroll
-                    for (int i = 0; i < R; ++i) {
-                        float s = acc[i][0];
-                        s += w[i][0] * p.x; s += w[i][1] * p.y; s += w[i][2] * p.z; s += w[i][3] * p.w;
-                        s += w[i][4] * q.x; s += w[i][5] * q.y; s += w[i][6] * q.z; s += w[i][7] * q.w;
-                        acc[i][0] = s;
-                    }
+                    for (int i = 0; i < R; ++i) acc[i][0] = mv3_terms8(acc[i][0], w[i], p, q);
                     continue;
                 }
                 // Inputs in groups of MV3_LG: one guard per group, so the group's R * MV3_LG
@@ -366,13 +376,7 @@ __device__ __forceinline__ void mv3_rows(const ds4_u8* __restrict__ Wb, long lon
 #pragma unroll
                         for (int i = 0; i < R; ++i)
 #pragma unroll
-                            for (int g = 0; g < MV3_LG; ++g) {
-                                float s = acc[i][a0 + g];
-                                s += w[i][0] * p[g].x; s += w[i][1] * p[g].y; s += w[i][2] * p[g].z;
-                                s += w[i][3] * p[g].w; s += w[i][4] * q[g].x; s += w[i][5] * q[g].y;
-                                s += w[i][6] * q[g].z; s += w[i][7] * q[g].w;
-                                acc[i][a0 + g] = s;
-                            }
+                            for (int g = 0; g < MV3_LG; ++g) acc[i][a0 + g] = mv3_terms8(acc[i][a0 + g], w[i], p[g], q[g]);
                     }
                 }
             }
