@@ -106,7 +106,7 @@ def main() -> None:
     pages = -(-(max(args.ctx, args.prompt) + 64) // 128)
     backend.configure(16, 16 * pages)
     lines = [f"{what}; {rt.info.name}; CUPTI kernel times inside the graph replay, mean of {args.reps} replays", ""]
-    for C in [int(c) for c in args.lanes.split(",")]:
+    for C in [int(c) for c in args.lanes.split(",") if c]:  # --lanes "": the prompt pass only
         bench_case(backend, cfg, C, args.ctx, 2)
         L = backend.bucket(C)
         kernels, wall = cupti_profile(rt, backend._graphs[L], args.reps,

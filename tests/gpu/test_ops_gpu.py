@@ -256,6 +256,19 @@ def test_qgemm_every_type(rt, wtype, k):
     assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
 
 
+@pytest.mark.parametrize("defines", ["QG_AHEAD=2", "QG_AHEAD=3 QG_MIN_BLOCKS=2"])
+@pytest.mark.parametrize("wtype", ["q8_0", "q2_k", "iq2_xxs"])
+def test_qgemm_tuning_changes_no_bit(rt, monkeypatch, defines, wtype):
+    """The tiled GEMM's fetch ring (QG_AHEAD blocks of the walk ahead, refilled across chains) and
+    its register budget are tuning macros: with K past 32 blocks and below (empty chains skipped by
+    the fetch cursor), every setting gives the reference's bits."""
+    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
+    for k in (2048 + 256, 256):
+        raw = make_weight(21, 70, k, wtype)[0]
+        x = rnd(22, 77, k)
+        assert same_bits(g.qmatvec(raw, wtype, x, rt=rt, gemm=True), canon_qlinear(x, raw, wtype))
+
+
 @pytest.mark.parametrize("seed", [3, 4, 5])
 def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     """step_attention_combine forms its slices' weights AT_CZ slices at a time (128 by default, so

@@ -216,20 +216,53 @@ __device__ __forceinline__ void qm_mma16816(int* c, int a0, int a1, int b0) {
 
 // Block b of the row at rp as qb_load decodes it, but only the words of columns 4t.. of each
 // half, in c[0] and c[4]: a lane decodes a quarter of the block (the four lanes of a weight
-// row share it), and no register array is indexed by t (that would go to memory).
+// row share it), and no register array is indexed by t (that would go to memory). In two steps,
+// so that a prefetch's latency is spent elsewhere: qm_fetch loads the quarter's bytes (QmRaw),
+// qm_decode decodes them when they are staged. Q4_K and MXFP4 decode at the fetch.
+struct QmRaw {
+    uint2 u;         // Q8_0: the quarter's code words; IQ2_XXS, Q2_K: the block's 8 bytes
+    ds4_u32 v, s;    // the f16 d (Q2_K: the scale byte pair), Q2_K's d and dmin
+    QBlock w;        // Q4_K, MXFP4: decoded
+};
+
 template <int WT>
-__device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, int b, int t, QBlock& q,
-                                        const Iq2Tables* iq2) {
+__device__ __forceinline__ void qm_fetch(const ds4_u8* __restrict__ rp, int K, int b, int t, QmRaw& r,
+                                         const Iq2Tables* iq2) {
     if (WT == WT_Q8_0) {
-        q.c[0] = ((const int*)(rp + q8_half(K, b, 0)))[t];
-        q.c[4] = ((const int*)(rp + q8_half(K, b, 1)))[t];
+        r.u = make_uint2(((const ds4_u32*)(rp + q8_half(K, b, 0)))[t], ((const ds4_u32*)(rp + q8_half(K, b, 1)))[t]);
+        r.v = ((const ds4_u16*)(rp + K))[b];
+    } else if (WT == WT_IQ2_XXS) {
+        r.u = *(const uint2*)(rp + (long long)b * 8);
+        r.v = ((const ds4_u16*)(rp + K / 4))[b / 8];
+    } else if (WT == WT_Q2_K) {
+        r.u = *(const uint2*)(rp + (long long)b * 8);
+        r.v = ((const ds4_u16*)(rp + K / 4))[b];
+        r.s = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
+    } else {
+        QBlock& q = r.w;
+        qb_load<WT>(rp, K, b, q, iq2);
+        int lo = q.c[0], hi = q.c[4];
+#pragma unroll
+        for (int k = 1; k < 4; ++k) {
+            lo = t == k ? q.c[k] : lo;
+            hi = t == k ? q.c[4 + k] : hi;
+        }
+        q.c[0] = lo;
+        q.c[4] = hi;
+    }
+}
+
+template <int WT>
+__device__ __forceinline__ void qm_decode(const QmRaw& r, int t, QBlock& q, const Iq2Tables* iq2) {
+    if (WT == WT_Q8_0) {
+        q.c[0] = (int)r.u.x;
+        q.c[4] = (int)r.u.y;
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
-        q.s1 = ds4_f16_to_f32(((const ds4_u16*)(rp + K))[b]);
+        q.s1 = ds4_f16_to_f32((ds4_u16)r.v);
         q.s2 = 0.0f;
     } else if (WT == WT_IQ2_XXS) {  // word k: half k % 2 of group k / 2 (qb_load's c[2l], c[2l+1])
-        uint2 sub = *(const uint2*)(rp + (long long)b * 8);
-        ds4_u32 aux0 = sub.x, aux1 = sub.y;
-        float d = ds4_f16_to_f32(((const ds4_u16*)(rp + K / 4))[b / 8]);
+        ds4_u32 aux0 = r.u.x, aux1 = r.u.y;
+        float d = ds4_f16_to_f32((ds4_u16)r.v);
         q.s1 = (d * (0.5f + (float)(aux1 >> 28))) * 0.25f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -240,24 +273,14 @@ __device__ __forceinline__ void qm_load(const ds4_u8* __restrict__ rp, int K, in
         q.mul0 = q.mul1 = 1; q.mn0 = q.mn1 = 0;
         q.s2 = 0.0f;
     } else if (WT == WT_Q2_K) {  // the repacked row of qb_load: word k is byte lanes of cw >> 2(k % 4)
-        uint2 cw = *(const uint2*)(rp + (long long)b * 8);
-        q.c[0] = (int)((cw.x >> (2 * t)) & 0x03030303u);
-        q.c[4] = (int)((cw.y >> (2 * t)) & 0x03030303u);
-        ds4_u32 sc = ((const ds4_u16*)(rp + K / 4))[b];
+        q.c[0] = (int)((r.u.x >> (2 * t)) & 0x03030303u);
+        q.c[4] = (int)((r.u.y >> (2 * t)) & 0x03030303u);
+        ds4_u32 sc = r.v;
         q.mul0 = (int)(sc & 15u); q.mn0 = (int)((sc >> 4) & 15u);
         q.mul1 = (int)((sc >> 8) & 15u); q.mn1 = (int)((sc >> 12) & 15u);
-        ds4_u32 dd = ((const ds4_u32*)(rp + K / 4 + K / 16))[b / 8];
-        q.s1 = ds4_f16_to_f32((ds4_u16)(dd & 0xffffu));
-        q.s2 = ds4_f16_to_f32((ds4_u16)(dd >> 16));
+        q.s1 = ds4_f16_to_f32((ds4_u16)(r.s & 0xffffu));
+        q.s2 = ds4_f16_to_f32((ds4_u16)(r.s >> 16));
     } else {
-        qb_load<WT>(rp, K, b, q, iq2);
-        int lo = q.c[0], hi = q.c[4];
-#pragma unroll
-        for (int k = 1; k < 4; ++k) {
-            lo = t == k ? q.c[k] : lo;
-            hi = t == k ? q.c[4 + k] : hi;
-        }
-        q.c[0] = lo;
-        q.c[4] = hi;
+        q = r.w;
     }
 }

@@ -5,6 +5,14 @@
 #include "ds4_qblock.h"
 
 #define MQ_WARPS 8
+// Tuning macros (DS4REF_KERNEL_DEFINES; neither changes a bit): QG_AHEAD blocks of the walk
+// fetched before the one staged, QG_MIN_BLOCKS blocks a multiprocessor the registers must allow.
+#ifndef QG_AHEAD
+#define QG_AHEAD 1
+#endif
+#ifndef QG_MIN_BLOCKS
+#define QG_MIN_BLOCKS 1
+#endif
 
 // ---- prompt passes: a tiled int8 GEMM in §2a's order -----------------------------------------
 // The butterfly over the 32 partials is a tree; evaluated in post-order it visits the partials in
@@ -41,59 +49,84 @@ struct QgStage {
     int x[QG_TILE], m[QG_TILE];
 };
 
-// This thread's share of block b: input bytes, block scale and half sums, and weight words.
+// This thread's share of block b as loaded: input bytes, block scale and half sums, weight bytes
+// (decoded at staging, qm_decode). The half sums are one word (2 b shorts in, so 4-byte aligned).
 template <int WT>
 __device__ __forceinline__ void qg_fetch(const QgCtx& c, int b, const Iq2Tables* iq2, uint2& av, float& dv,
-                                         int& xv, QBlock& w) {
+                                         int& xv, QmRaw& w) {
     av = c.a_ok ? *(const uint2*)(c.arow + (long long)b * QB + 8 * c.sp) : make_uint2(0u, 0u);
     dv = c.a_ok ? c.drow[b] : 0.0f;
-    xv = QHasMin<WT>::value && c.a_ok ? (int)(ds4_u16)c.srow[2 * b] | ((int)c.srow[2 * b + 1] << 16) : 0;
-    qm_load<WT>(c.brow, c.K, b, c.sp, w, iq2);
+    xv = QHasMin<WT>::value && c.a_ok ? *(const int*)(c.srow + 2 * b) : 0;
+    qm_fetch<WT>(c.brow, c.K, b, c.sp, w, iq2);
 }
 
-// This thread's share of the next block to stage, fetched while the current one is computed.
+// This thread's share of a block to stage, fetched QG_AHEAD blocks of the walk before it is
+// staged (a ring of QG_AHEAD slots: the block at walk step i sits in slot i % QG_AHEAD).
 struct QgNext {
     uint2 av;
     float dv;
     int xv;
-    QBlock w;
+    QmRaw w;
 };
 
+// The walk: leaves Q = 0 .. 31 in order (chain qg_bitrev5(Q)), each chain's blocks increasing.
+// The cursor names the walk's next block to fetch (b >= nb once there is none).
+struct QgCursor {
+    int q, b;
+};
+__device__ __forceinline__ void qg_advance(QgCursor& f, int nb) {
+    f.b += DS4_WARP;
+    while (f.b >= nb && f.q < DS4_WARP - 1) f.b = qg_bitrev5(++f.q);
+}
+
+// Walk step i: stage slot i % QG_AHEAD into st, then refill that slot with the cursor's block.
+// Each slot is its own warp-uniform branch, so a slot's registers are read only when its load is
+// the one being staged (a select over the slots would wait on every slot's load).
+template <int WT>
+__device__ __forceinline__ void qg_step(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, QgNext (&nx)[QG_AHEAD],
+                                        QgCursor& f, int i) {
+    int slot = i % QG_AHEAD;
+    __syncthreads();  // the previous block is consumed
+#pragma unroll
+    for (int k = 0; k < QG_AHEAD; ++k)
+        if (k == slot) {
+            QBlock w;
+            qm_decode<WT>(nx[k].w, c.sp, w, iq2);
+            *(uint2*)(st.a + c.so * QG_STRIDE + 8 * c.sp) = nx[k].av;
+            *(int*)(st.b + c.so * QG_STRIDE + 4 * c.sp) = w.c[0];
+            *(int*)(st.b + c.so * QG_STRIDE + 16 + 4 * c.sp) = w.c[4];
+            if (c.sp == 0) {
+                st.d[c.so] = nx[k].dv;
+                st.x[c.so] = nx[k].xv;
+                st.s1[c.so] = w.s1;
+                st.s2[c.so] = w.s2;
+                st.m[c.so] = (w.mul0 & 0xff) | ((w.mul1 & 0xff) << 8) | ((w.mn0 & 0xff) << 16) | ((w.mn1 & 0xff) << 24);
+            }
+        }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < QG_AHEAD; ++k)
+        if (k == slot && f.b < c.nb) qg_fetch<WT>(c, f.b, iq2, nx[k].av, nx[k].dv, nx[k].xv, nx[k].w);
+    qg_advance(f, c.nb);
+}
+
 // Chain p (blocks p, p + 32, ... in increasing order, fma from +0, as mq_rows) of the warp's
-// 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816). nx holds block p
-// on entry; on exit, block p_next (the next chain's first, when there is one): the fetches run a
-// block ahead across chains too, so a chain of one block (K = 1024) waits on no load.
+// 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816); i counts the
+// walk's steps (qg_step). The fetches run QG_AHEAD blocks ahead across chains too, so a chain
+// of one block (K = 1024) waits on no load.
 // Only Q2_K gives its two 16-column halves their own multipliers; the other types' block dot is
 // one integer sum (Q4_K's halves share a multiplier and a min), so one MMA accumulator holds it:
 // the same integers as mq_rows' mul0 * S0 + mul1 * S1.
 template <int WT>
-__device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p, int p_next,
-                                         QgNext& nx, float (&acc)[4][4]) {
+__device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p,
+                                         QgNext (&nx)[QG_AHEAD], QgCursor& f, int& i, float (&acc)[4][4]) {
     const bool has_min = QHasMin<WT>::value, halves = WT == WT_Q2_K;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[ni][e] = 0.0f;
-    if (p >= c.nb) {  // K < 32 blocks: an empty chain hands the fetch on
-        if (p_next < c.nb) qg_fetch<WT>(c, p_next, iq2, nx.av, nx.dv, nx.xv, nx.w);
-        return;
-    }
     for (int b = p; b < c.nb; b += DS4_WARP) {
-        __syncthreads();  // the previous block is consumed
-        *(uint2*)(st.a + c.so * QG_STRIDE + 8 * c.sp) = nx.av;
-        *(int*)(st.b + c.so * QG_STRIDE + 4 * c.sp) = nx.w.c[0];
-        *(int*)(st.b + c.so * QG_STRIDE + 16 + 4 * c.sp) = nx.w.c[4];
-        if (c.sp == 0) {
-            st.d[c.so] = nx.dv;
-            st.x[c.so] = nx.xv;
-            st.s1[c.so] = nx.w.s1;
-            st.s2[c.so] = nx.w.s2;
-            st.m[c.so] = (nx.w.mul0 & 0xff) | ((nx.w.mul1 & 0xff) << 8) | ((nx.w.mn0 & 0xff) << 16) |
-                         ((nx.w.mn1 & 0xff) << 24);
-        }
-        __syncthreads();
-        int nb_next = b + DS4_WARP < c.nb ? b + DS4_WARP : p_next;
-        if (nb_next < c.nb) qg_fetch<WT>(c, nb_next, iq2, nx.av, nx.dv, nx.xv, nx.w);
+        qg_step<WT>(c, st, iq2, nx, f, i++);
         int r1 = c.r0 + 8;
         int a[2][2];
 #pragma unroll
@@ -140,12 +173,12 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
 // the pending sums are a binary counter's (pop as many as Q has trailing ones, each added on the
 // left, push the result), every index known at compile time.
 template <int WT, int Q>
-__device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, QgNext& nx,
-                                          float (&stack)[5][4][4]) {
+__device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, QgNext (&nx)[QG_AHEAD],
+                                          QgCursor& f, int& i, float (&stack)[5][4][4]) {
     if constexpr (Q < DS4_WARP) {
         constexpr int depth = qg_popc(Q), pops = qg_trailing_ones(Q);
         float acc[4][4];
-        qg_chain<WT>(c, st, iq2, qg_bitrev5(Q), Q + 1 < DS4_WARP ? qg_bitrev5(Q + 1) : c.nb, nx, acc);
+        qg_chain<WT>(c, st, iq2, qg_bitrev5(Q), nx, f, i, acc);
 #pragma unroll
         for (int j = 0; j < pops; ++j)
 #pragma unroll
@@ -156,7 +189,7 @@ __device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2
         for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) stack[depth - pops][ni][e] = acc[ni][e];
-        qg_leaves<WT, Q + 1>(c, st, iq2, nx, stack);
+        qg_leaves<WT, Q + 1>(c, st, iq2, nx, f, i, stack);
     }
 }
 
@@ -193,12 +226,18 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
     c.ob = 32 * wc;
     c.hi = na > 8;
     float stack[5][4][4];
-    QgNext nx;  // block 0 (chain 0's first) before the walk
-    nx.av = make_uint2(0u, 0u);
-    nx.dv = 0.0f;
-    nx.xv = 0;
-    if (c.nb > 0) qg_fetch<WT>(c, 0, iq2, nx.av, nx.dv, nx.xv, nx.w);
-    qg_leaves<WT, 0>(c, st, iq2, nx, stack);
+    QgNext nx[QG_AHEAD];  // the walk's first QG_AHEAD blocks before it starts
+    QgCursor f = {0, 0};
+#pragma unroll
+    for (int k = 0; k < QG_AHEAD; ++k) {
+        nx[k].av = make_uint2(0u, 0u);
+        nx[k].dv = 0.0f;
+        nx[k].xv = 0;
+        if (f.b < c.nb) qg_fetch<WT>(c, f.b, iq2, nx[k].av, nx[k].dv, nx[k].xv, nx[k].w);
+        qg_advance(f, c.nb);
+    }
+    int i = 0;
+    qg_leaves<WT, 0>(c, st, iq2, nx, f, i, stack);
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -210,7 +249,7 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
 }
 
 #define DS4_QGEMM(NAME, WT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, 1)                             \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, QG_MIN_BLOCKS)                          \
         NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
              int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
         DS4_KERNEL_ENTRY;                                                                                 \
