@@ -174,12 +174,13 @@ def test_attention_batch_invariance(rt):
         assert np.array_equal(alone[-1], among[l])
 
 
-@pytest.mark.parametrize("defines", ["AT_KT=8", "AT_HPW=2", "AT_KT=8 AT_HPW=2", "AT_KT=4"])
+@pytest.mark.parametrize("defines", ["AT_KT=8", "AT_HPW=2", "AT_KT=8 AT_HPW=2", "AT_KT=4", "AT_SLD=1", "AT_SLD=3 AT_KT=8"])
 @pytest.mark.parametrize("kind", [g.ROW_F32, g.ROW_KV])
 @pytest.mark.parametrize("H", [20, 64])
 def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
-    """step_attention_split's key tile and heads per warp (docs/kernels.md, tuning macros) give
-    the reference's bits: Flash's width in both row formats, 20 heads leaving warps idle."""
+    """step_attention_split's key tile, heads per warp and staging loads in flight (docs/kernels.md,
+    tuning macros) give the reference's bits: Flash's width in both row formats, 20 heads leaving
+    warps idle."""
     from ds4ref.hip.op_cases import make_attention, ref_attention_paged
     monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
     args = make_attention(5, 16, H, 512, 128, "selected", kind)[0]

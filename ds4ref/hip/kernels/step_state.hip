@@ -338,7 +338,7 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 // barriers of 8 at no occupancy cost: registers allow 3 blocks a multiprocessor), AT_HPW
 // heads per warp (2: a warp reads each key element once for both heads and a block decodes
 // a slice for 16 heads, but 128 registers with spills and 2 blocks a multiprocessor,
-// against 80 at 1).
+// against 80 at 1), AT_SLD float4s of a tile a staging thread loads before storing any.
 #define AT_WARPS 8     // warps per block
 #ifndef AT_KT
 #define AT_KT 16
@@ -350,6 +350,12 @@ step_indexer_paged(const float* __restrict__ qi, const float* __restrict__ wraw,
 #endif
 #ifndef AT_KG
 #define AT_KG 4        // keys whose dots and butterflies run side by side (divides AT_KT)
+#endif
+// Float4s of a key tile a staging thread loads before it decodes and stores any (each load used
+// at once costs a memory latency per float4). 4 and 8 measured alike on the full model and 2
+// slower at C = 1 (docs/performance.md); 4 holds fewer registers (115 against 126).
+#ifndef AT_SLD
+#define AT_SLD 4
 #endif
 static_assert(AT_KT % AT_KG == 0, "AT_KG must divide AT_KT: a group reads only rows of its tile");
 #define AT_HPB (AT_WARPS * AT_HPW)  // heads per block; the host's grid covers H in blocks of 8
@@ -387,28 +393,37 @@ __device__ __forceinline__ const ds4_u8* key_row(const KeySrc& k, int l, int s, 
 }
 
 // Elements d .. d+3 (d % 4 == 0) of a key row, float32 (kind ROW_F32) or ROW_KV (D and nrot
-// from f): the bits row_get gives, read with one float4 or one word of four codes where the
-// row's alignment allows, element by element where it does not.
-__device__ __forceinline__ float4 row_get4(const ds4_u8* row, int kind, const RowFmt& f, int d) {
+// from f), in two steps so that a thread's loads are all in flight before any is used:
+// row_load4 reads the bytes (one 16-byte load, or one word of four codes and its block's
+// exponent, where the row's alignment allows; element by element where it does not) and
+// row_decode4 gives the bits row_get gives. *fp8: the word holds E4M3 codes still to decode.
+__device__ __forceinline__ uint4 row_load4(const ds4_u8* row, int kind, const RowFmt& f, int d, bool* fp8) {
     unsigned long long at = (unsigned long long)row;
-    const float* fr = (const float*)row;
+    const ds4_u32* w = (const ds4_u32*)row;
+    *fp8 = false;
     if (kind == ROW_F32) {
-        if ((at & 15ull) == 0) return ((const float4*)row)[d / 4];
-        return make_float4(fr[d], fr[d + 1], fr[d + 2], fr[d + 3]);
+        if ((at & 15ull) == 0) return ((const uint4*)row)[d / 4];
+        return make_uint4(w[d], w[d + 1], w[d + 2], w[d + 3]);
     }
     int nope = f.D - f.nrot;
     if ((nope & 3) == 0 && (at & 3ull) == 0) {
         if (d >= nope) {
-            const float* t = (const float*)(row + kv_tail_at(f.D, f.nrot)) + (d - nope);
-            return make_float4(t[0], t[1], t[2], t[3]);
+            const ds4_u32* t = (const ds4_u32*)(row + kv_tail_at(f.D, f.nrot)) + (d - nope);
+            return make_uint4(t[0], t[1], t[2], t[3]);
         }
-        ds4_u32 c = *(const ds4_u32*)(row + d);
-        float sc = pow2_biased(row[nope + d / 64]);  // d .. d+3 share a 64-block
-        return make_float4(e4m3_value(c & 0xffu) * sc, e4m3_value((c >> 8) & 0xffu) * sc,
-                           e4m3_value((c >> 16) & 0xffu) * sc, e4m3_value(c >> 24) * sc);
+        *fp8 = true;
+        return make_uint4(*(const ds4_u32*)(row + d), row[nope + d / 64], 0u, 0u);  // d .. d+3 share a 64-block
     }
     RowFmt g = {ROW_KV, f.D, f.nrot};
-    return make_float4(row_get(row, g, d), row_get(row, g, d + 1), row_get(row, g, d + 2), row_get(row, g, d + 3));
+    return make_uint4(__float_as_uint(row_get(row, g, d)), __float_as_uint(row_get(row, g, d + 1)),
+                      __float_as_uint(row_get(row, g, d + 2)), __float_as_uint(row_get(row, g, d + 3)));
+}
+
+__device__ __forceinline__ float4 row_decode4(uint4 r, bool fp8) {
+    if (!fp8) return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z), __uint_as_float(r.w));
+    float sc = pow2_biased(r.y);
+    return make_float4(e4m3_value(r.x & 0xffu) * sc, e4m3_value((r.x >> 8) & 0xffu) * sc,
+                       e4m3_value((r.x >> 16) & 0xffu) * sc, e4m3_value(r.x >> 24) * sc);
 }
 
 // ---- attention split over keys (v3) -------------------------------------------
@@ -470,6 +485,8 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
     if (s < 0 || nbeg >= total || (int)blockIdx.x * AT_HPB >= H) return;
     int nend = nbeg + AT3_SPLIT < total ? nbeg + AT3_SPLIT : total;
     int nd = D / DS4_WARP, g4 = D / 4;
+    const int rr0 = threadIdx.x / g4, c40 = threadIdx.x % g4;
+    const int rstep = (AT_WARPS * DS4_WARP) / g4, cstep = (AT_WARPS * DS4_WARP) % g4;
     if (threadIdx.x < nend - nbeg) {  // visible after the first tile's barrier
         int kd;
         krow[threadIdx.x] = key_row(k, l, s, lo, nraw, pstart[l], flane[l], nbeg + threadIdx.x, &kd);
@@ -492,14 +509,36 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
         for (int n0 = nbeg; n0 < nend; n0 += AT_KT) {
             int nk = nend - n0 < AT_KT ? nend - n0 : AT_KT;
             __syncthreads();  // the previous tile is consumed
-            for (int idx = threadIdx.x; idx < nk * g4; idx += blockDim.x) {
-                int rr = idx / g4, c4 = idx - rr * g4;
-                float4 v = row_get4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4);
-                float* kt = ks + rr * AT_DMAX;
-                kt[AT_AT(4 * c4)] = v.x;
-                kt[AT_AT(4 * c4 + 1)] = v.y;
-                kt[AT_AT(4 * c4 + 2)] = v.z;
-                kt[AT_AT(4 * c4 + 3)] = v.w;
+            // float4 e of the tile is (row e / g4, dims 4 (e % g4) ..); a thread's e step by the block's
+            // size, (rr, c4) kept by adding its quotient and remainder (no division a float4)
+            int rr = rr0, c4 = c40;
+            for (int e0 = 0; e0 < nk * g4; e0 += AT_SLD * AT_WARPS * DS4_WARP) {
+                uint4 raw[AT_SLD];
+                int at[AT_SLD];
+                unsigned fp8 = 0u;
+#pragma unroll
+                for (int i = 0; i < AT_SLD; ++i) {
+                    at[i] = -1;
+                    if (rr < nk) {
+                        bool f8;
+                        raw[i] = row_load4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4, &f8);
+                        fp8 |= (unsigned)f8 << i;
+                        at[i] = rr * AT_DMAX + AT_AT(4 * c4);
+                    }
+                    rr += rstep;
+                    c4 += cstep;
+                    if (c4 >= g4) { c4 -= g4; ++rr; }
+                }
+#pragma unroll
+                for (int i = 0; i < AT_SLD; ++i) {
+                    if (at[i] < 0) break;
+                    float4 v = row_decode4(raw[i], (fp8 >> i) & 1u);
+                    float* kt = ks + at[i];  // AT_AT(4 c4 + j) = AT_AT(4 c4) + 4 j
+                    kt[0] = v.x;
+                    kt[4] = v.y;
+                    kt[8] = v.z;
+                    kt[12] = v.w;
+                }
             }
             __syncthreads();
             if (!active) continue;
