@@ -514,16 +514,16 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
             int rr = rr0, c4 = c40;
             for (int e0 = 0; e0 < nk * g4; e0 += AT_SLD * AT_WARPS * DS4_WARP) {
                 uint4 raw[AT_SLD];
-                int at[AT_SLD];
+                int dst[AT_SLD];  // the float4's first element in the tile, -1 past its rows
                 unsigned fp8 = 0u;
 #pragma unroll
                 for (int i = 0; i < AT_SLD; ++i) {
-                    at[i] = -1;
+                    dst[i] = -1;
                     if (rr < nk) {
                         bool f8;
                         raw[i] = row_load4(krow[n0 - nbeg + rr], kkind[n0 - nbeg + rr], k.fmt, 4 * c4, &f8);
                         fp8 |= (unsigned)f8 << i;
-                        at[i] = rr * AT_DMAX + AT_AT(4 * c4);
+                        dst[i] = rr * AT_DMAX + AT_AT(4 * c4);
                     }
                     rr += rstep;
                     c4 += cstep;
@@ -531,9 +531,9 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
                 }
 #pragma unroll
                 for (int i = 0; i < AT_SLD; ++i) {
-                    if (at[i] < 0) break;
+                    if (dst[i] < 0) break;
                     float4 v = row_decode4(raw[i], (fp8 >> i) & 1u);
-                    float* kt = ks + at[i];  // AT_AT(4 c4 + j) = AT_AT(4 c4) + 4 j
+                    float* kt = ks + dst[i];  // AT_AT(4 c4 + j) = AT_AT(4 c4) + 4 j
                     kt[0] = v.x;
                     kt[4] = v.y;
                     kt[8] = v.z;
