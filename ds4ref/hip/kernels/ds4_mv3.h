@@ -225,7 +225,7 @@ __device__ __forceinline__ void mv3_load_group(const ds4_u8* const* rowp, int ro
 
 // A lane's eight terms of one 256-column step, in column order, each entering the partial as
 // fma(w, x, s): one rounding a term (docs/exactness.md §2). MV3_TWO_ROUNDINGS=1 builds the
-// former s + w * x instead, only to time the two side by side: it changes the bits, so no
+// two-rounding s + w * x instead, only to time the two side by side: it changes the bits, so no
 // check runs with it.
 #ifndef MV3_TWO_ROUNDINGS
 #define MV3_TWO_ROUNDINGS 0
