@@ -46,7 +46,7 @@ from ..reference.state import ATTN, INDEX, row_kinds
 from . import ops as K
 from .device_state import LANE_FIELDS, DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
-from .guards import DeviceMemoryError, open_device
+from .guards import check_fits_device, open_device
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
 from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width,
@@ -166,11 +166,8 @@ class HipBackend:
         need = sum(parts.values()) - work
         if self.mtp is not None:
             need += self.mtp.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact)
-        free, _total = self.rt.mem_info()
-        if need + work > 0.95 * free:
-            raise DeviceMemoryError(f"{n_slots} slots and {n_pages} pages need {need / 2**30:.2f} GiB of "
-                                    f"state and the {self.max_pass_rows}-row pass {work / 2**30:.2f} GiB of workspace, "
-                                    f"{free / 2**30:.2f} GiB is free; use fewer slots or pages")
+        check_fits_device(self.rt, need + work, f"{n_slots} slots and {n_pages} pages ({need / 2**30:.2f} GiB "
+                          f"of state) and the {self.max_pass_rows}-row pass's workspace")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
                                  n_lanes=self.max_pass_rows)

@@ -20,8 +20,8 @@ from ..console import progress
 
 from ..gguf.mtp import PREFIX as MTP_PREFIX
 from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
-from .guards import check_weight_types
-from .ops import QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows, view
+from .guards import check_fits_device, check_weight_types
+from .ops import BLOCK_QUANTS, QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows, view
 
 WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 _GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
@@ -148,6 +148,7 @@ class DeviceWeights:
         if stored:
             check_weight_types(stored)
         shapes = tensor_shapes(weights.config)
+        check_fits_device(rt, upload_bytes(shapes, stored), "the model's weights")
         for name, shape in progress(shapes.items(), "uploading weights", len(shapes), "tensor"):
             if is_int_tensor(name) or is_vector(name, shape):
                 self._put_vec(name, weights.get(name))
@@ -302,6 +303,20 @@ def _template(rt, config, suffix: str, qtype: str, cols: int, max_bytes: int, se
     if data.shape[1] % 4:  # step_tile_rows copies 32-bit words
         raise ValueError(f"{suffix}: {qtype} rows of {cols} are {data.shape[1]} bytes, not whole 32-bit words")
     return rt.upload(data), rows, data.shape[1]
+
+
+def upload_bytes(shapes, stored: dict[str, str]) -> int:
+    """Device bytes of the upload, from the shapes and stored types alone (nothing read yet)."""
+    total = 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape))
+        wtype = _GGML_TO_WTYPE.get(stored.get(name, ""), "f32")
+        if wtype in BLOCK_QUANTS:
+            nbytes, per = BLOCK_QUANTS[wtype]
+            total += n // per * nbytes
+        else:
+            total += n * (2 if wtype in ("f16", "bf16") else 4)
+    return total
 
 
 def _gain(suffix: str) -> float:

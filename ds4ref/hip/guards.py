@@ -31,6 +31,34 @@ class DeviceMemoryError(RuntimeError):
     """The configuration needs more device memory than is free."""
 
 
+# An APU's GPU (Strix Halo) sees the BIOS carve-out plus the GTT, whose default limit on Linux is
+# about half of RAM. The TTM limits raise it; both are counted in 4 KiB pages (docs/rocm.md).
+TTM_PAGE = 4096
+APU_HEADROOM = 4 << 30  # the desktop and the kernel keep some of RAM for themselves
+
+
+def memory_advice(info, need: int) -> str:
+    """What to change so that `need` bytes fit on this device: on an APU the carve-out and the
+    kernel's GTT limit (the settings a Strix Halo owner changes), elsewhere the serving flags."""
+    if getattr(info, "vendor", "") == "amd" and getattr(info, "integrated", False):
+        pages = -(-(need + APU_HEADROOM) // TTM_PAGE)
+        gib = -(-(need + APU_HEADROOM) // (1 << 30))
+        return (f"{info.name} is an APU: its GPU memory is system RAM made visible to it (now "
+                f"{info.total_bytes / 2**30:.1f} GiB). Give the GPU at least {gib} GiB: boot with the kernel "
+                f"parameters ttm.pages_limit={pages} ttm.page_pool_size={pages} and keep the BIOS "
+                f"carve-out (UMA frame buffer) at 512 MB, or set that carve-out to {gib} GiB or more; "
+                f"do not also set amdgpu.gttsize (docs/rocm.md)")
+    return "use fewer slots or pages (--max-concurrency, --max-context, --kv-pool-tokens)"
+
+
+def check_fits_device(rt, need: int, what: str) -> None:
+    """Refuse, before allocating, `need` bytes of `what` that would not fit the free device memory."""
+    free, _total = rt.mem_info()
+    if need > 0.95 * free:
+        raise DeviceMemoryError(f"{what} need {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB of "
+                                f"{rt.info.name} is free; {memory_advice(rt.info, need)}")
+
+
 def check_device(info, allow_untested_arch: bool = False) -> None:
     """info: anything with vendor, arch, name, warp_size (runtime.DeviceInfo)."""
     if int(info.warp_size) != 32:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..reference import canon
 from ..settings import getenv, getenv_int
+from .builds import qgemm_options
 from .runtime import DeviceBuffer, Runtime, get_runtime
 
 I32, F32, F64 = np.int32, np.float32, np.float64
@@ -1027,8 +1028,6 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
 # (qgemm.hip): 1.4x (Q8_0) to 2.5x (IQ2_XXS) the dp4a kernel at 256 rows on the H200
 # (docs/performance.md, "Latency-bound kernels spread out, ..."), the same bits.
 MMA_ROWS = 16
-# qgemm.hip's -DQG_BUILD values: ds4_mv3.h's WT_* codes
-_QG_BUILD = {"q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 
 
 def qmatvec_rows_per_warp(rows: int) -> int:
@@ -1062,7 +1061,7 @@ def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, g
     _need(w.packed and w.wtype in QUANT_WTYPES, f"qmatvec: {w.wtype} weights not in pack_qrows' layout")
     n = w.rows // groups
     if L > MMA_ROWS and gemm:
-        module = rt.compile_file(_SOURCES["qgemm"], (f"-DQG_BUILD={_QG_BUILD[w.wtype]}",))
+        module = rt.compile_file(_SOURCES["qgemm"], qgemm_options(w.wtype))
         grid, fn = (_blocks(n, 64), _blocks(L, 64), groups), module.kernel(f"ds4_qgemm_{w.wtype}")
     else:
         r = rows_per_warp or qmatvec_rows_per_warp(w.rows)

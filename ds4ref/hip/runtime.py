@@ -55,6 +55,8 @@ class DeviceInfo:
     total_bytes: int
     warp_size: int
     multiprocessors: int
+    shared_per_block: int = 48 << 10  # LDS / shared memory a block may use, static and dynamic
+    integrated: bool = False          # an APU's GPU: its memory is a carve-out of system RAM
 
 
 # The canonical arithmetic (docs/exactness.md) on each compiler: no multiply-add
@@ -63,6 +65,11 @@ class DeviceInfo:
 NVRTC_EXACT = ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false")
 HIPRTC_EXACT = ("-ffp-contract=off", "-fno-fast-math", "-fhip-fp32-correctly-rounded-divide-sqrt",
                 "-fno-gpu-flush-denormals-to-zero")
+
+
+def hiprtc_options(arch: str, options: Sequence[str] = ()) -> list[str]:
+    """HIPRTC's option list for a kernel file (the offline AMD build, amd_build.py, passes the same)."""
+    return [f"--offload-arch={arch}", "-O3", "-std=c++17", *HIPRTC_EXACT, *options]
 
 
 _ARG_TYPES = (np.int32, np.int64, np.uint32, np.uint64, np.float32, np.float64)
@@ -111,9 +118,14 @@ class Module:
         return self._kernels[fn]
 
 
-def launch_handle(kernel: Any, args: Sequence[Any]) -> Any:
-    """The driver's handle of kernel, after checking args against its parameters."""
+def launch_handle(kernel: Any, args: Sequence[Any], shared: int = 0, info: DeviceInfo | None = None) -> Any:
+    """The driver's handle of kernel, after checking args against its parameters and the
+    launch's dynamic shared memory against the device's limit (info.shared_per_block)."""
     check_launch(kernel, args)
+    if shared and info is not None and shared > info.shared_per_block:
+        name = getattr(kernel, "name", kernel)
+        raise GpuError(f"{name}: {shared} B of dynamic shared memory, over {info.name}'s "
+                       f"{info.shared_per_block} B a block")
     return kernel.handle if isinstance(kernel, Kernel) else kernel
 
 
@@ -284,7 +296,9 @@ class CudaRuntime(Runtime):
         total = int(self._check(d.cuDeviceTotalMem(self.dev), "cuDeviceTotalMem"))
         self.info = DeviceInfo("nvidia", name, f"sm_{major}{minor}", total,
                                get(attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE, "warp size"),
-                               get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count"))
+                               get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count"),
+                               get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK, "shared per block"),
+                               bool(get(attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, "integrated")))
         self.stream = self._check(d.cuStreamCreate(1), "cuStreamCreate")  # 1 = non-blocking
         # Programmatic dependent launch (sm_90+, ds4_hip.h's DS4_KERNEL_ENTRY): a kernel's blocks
         # may be scheduled while the one before it runs, and wait for it before reading anything
@@ -379,7 +393,7 @@ class CudaRuntime(Runtime):
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        kernel = launch_handle(kernel, args)
+        kernel = launch_handle(kernel, args, shared, self.info)
         ptrs, _holders = pack_args(args)  # _holders keep the values alive through the call
         if self.pdl:
             c = self.drv.CUlaunchConfig()
@@ -422,8 +436,8 @@ class CudaRuntime(Runtime):
 
 
 # ---------------------------------------------------------------------------
-# AMD: hip-python (HIP runtime + HIPRTC). Written against hip-python's API;
-# no ROCm device was available to this project yet, so it is unexercised.
+# AMD: hip-python (HIP runtime + HIPRTC). No ROCm device has run it here: every call and
+# enum it uses is checked against hip-python's bindings without a GPU (tests/test_hip_python_api.py).
 # ---------------------------------------------------------------------------
 
 
@@ -438,14 +452,13 @@ class HipRuntime(Runtime):
             raise GpuError("hip: hipGetDeviceCount found no device")
         self.device = device
         self._make_current()
-        props = hip.hipDeviceProp_t()
-        self._check(hip.hipGetDeviceProperties(props, device), "hipGetDeviceProperties")
+        props = self._check(hip.hipGetDeviceProperties(device), "hipGetDeviceProperties")
         arch = props.gcnArchName
         arch = (arch.decode() if isinstance(arch, bytes) else str(arch)).split(":")[0]
         name = props.name
         name = name.decode() if isinstance(name, bytes) else str(name)
         self.info = DeviceInfo("amd", name, arch, int(props.totalGlobalMem), int(props.warpSize),
-                               int(props.multiProcessorCount))
+                               int(props.multiProcessorCount), int(props.sharedMemPerBlock), bool(props.integrated))
         self.stream = self._check(hip.hipStreamCreate(), "hipStreamCreate")
 
     def _make_current(self) -> None:
@@ -460,7 +473,7 @@ class HipRuntime(Runtime):
             return repr(err)
 
     def compile(self, source, name, options=()):
-        opts = [f"--offload-arch={self.info.arch}", "-O3", "-std=c++17", *HIPRTC_EXACT, *options]
+        opts = hiprtc_options(self.info.arch, options)
         version = self._check(self.rtc.hiprtcVersion(), "hiprtcVersion")
         code = kernel_cache.compiled(f"hiprtc {version}", opts, source, lambda: self._code(source, name, opts))
         handle = self._check(self.hip.hipModuleLoadData(code), f"hipModuleLoadData({name})")
@@ -525,7 +538,7 @@ class HipRuntime(Runtime):
     def launch(self, kernel, grid, block, args, shared=0, stream=None):
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        kernel = launch_handle(kernel, args)
+        kernel = launch_handle(kernel, args, shared, self.info)
         ptrs, _holders = pack_args(args)
         self._check(self.hip.hipModuleLaunchKernel(kernel, *g, *b, int(shared), stream or self.stream,
                                                    ptrs.ctypes.data, None), "hipModuleLaunchKernel")

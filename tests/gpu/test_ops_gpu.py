@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from ds4ref.hip import builds
 from ds4ref.hip import ops as g
 from ds4ref.hip.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
 from ds4ref.reference import ops as ref
@@ -174,7 +175,7 @@ def test_attention_batch_invariance(rt):
         assert np.array_equal(alone[-1], among[l])
 
 
-@pytest.mark.parametrize("defines", ["AT_KT=8", "AT_HPW=2", "AT_KT=8 AT_HPW=2", "AT_KT=4", "AT_SLD=1", "AT_SLD=3 AT_KT=8"])
+@pytest.mark.parametrize("defines", builds.ATTENTION_TUNING)
 @pytest.mark.parametrize("kind", [g.ROW_F32, g.ROW_KV])
 @pytest.mark.parametrize("H", [20, 64])
 def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
@@ -257,12 +258,12 @@ def test_qgemm_every_type(rt, wtype, k):
     assert np.array_equal(g.qmatvec(raw, wtype, x[:16], rt=rt), crowd[:16])
 
 
-@pytest.mark.parametrize("defines", ["QG_AHEAD=2", "QG_AHEAD=3 QG_MIN_BLOCKS=2"])
-@pytest.mark.parametrize("wtype", ["q8_0", "q2_k", "iq2_xxs"])
+@pytest.mark.parametrize("defines,wtype", builds.qgemm_tuning_cases())
 def test_qgemm_tuning_changes_no_bit(rt, monkeypatch, defines, wtype):
-    """The tiled GEMM's fetch ring (QG_AHEAD blocks of the walk ahead, refilled across chains) and
-    its register budget are tuning macros: with K past 32 blocks and below (empty chains skipped by
-    the fetch cursor), every setting gives the reference's bits."""
+    """The tiled GEMM's fetch ring (QG_AHEAD blocks of the walk ahead, refilled across chains), its
+    register budget and AMD's dot4 tiles with the leaves in a loop (QG_DOT4=1) change no bit: with K
+    past 32 blocks and below (empty chains skipped by the fetch cursor), and rows and weight rows
+    that end inside a tile, every setting gives the reference's bits."""
     monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
     for k in (2048 + 256, 256):
         raw = make_weight(21, 70, k, wtype)[0]
@@ -275,7 +276,7 @@ def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     """step_attention_combine forms its slices' weights AT_CZ slices at a time (128 by default, so
     only contexts past 4,096 keys cross a chunk): with the tuning macro at 2, lanes of up to 6
     slices cross chunks, and the bits stay the reference's (a tuning macro changes none)."""
-    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", "AT_CZ=2")
+    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", builds.ATTENTION_COMBINE_TUNING)
     got, want = run_case(BY_NAME["attention_paged"], seed, 16, rt, H=3, D=128, W=16, store="all",
                          kind=g.ROW_KV, span=40)
     lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=g.ROW_KV, span=40)[0][6]

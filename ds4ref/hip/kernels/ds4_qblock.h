@@ -6,7 +6,9 @@
 
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
 #if DS4_IS_HIP
-#if defined(__gfx11__) || defined(__gfx12__)
+// gfx11 and gfx12 have v_dot4_i32_iu8 (signedness per operand) instead of gfx9/10's sdot4;
+// clang and HIPRTC name the family in capitals (__GFX11__), the chip in lower case (__gfx1151__)
+#if defined(__GFX11__) || defined(__GFX12__)
     return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
 #else
     return __builtin_amdgcn_sdot4(a, b, c, false);
@@ -196,23 +198,14 @@ __device__ __forceinline__ void qb_load(const ds4_u8* __restrict__ rp, int K, in
 
 // c (4 ints) += A (16x16 int8: a0 row g, a1 row g+8, columns 4t..4t+3) . B (16x8: b0 column g,
 // k 4t..4t+3), g = lane / 4, t = lane % 4; c0, c1: row g, columns 2t, 2t+1; c2, c3: row g+8.
+// NVIDIA's int8 MMA; AMD builds qgemm.hip's dot4 tiles instead (QG_DOT4) and never this.
+#if !DS4_IS_HIP
 __device__ __forceinline__ void qm_mma16816(int* c, int a0, int a1, int b0) {
-#if DS4_IS_HIP
-    // no MMA instruction assumed: the same integers by dp4a over the shuffled fragments
-    int g = (threadIdx.x % DS4_WARP) / 4, t = threadIdx.x % 4;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        int x0 = DS4_SHFL(a0, 4 * g + j), x1 = DS4_SHFL(a1, 4 * g + j);
-        int w0 = DS4_SHFL(b0, 4 * (2 * t) + j), w1 = DS4_SHFL(b0, 4 * (2 * t + 1) + j);
-        c[0] = ds4_dp4a(x0, w0, c[0]); c[1] = ds4_dp4a(x0, w1, c[1]);
-        c[2] = ds4_dp4a(x1, w0, c[2]); c[3] = ds4_dp4a(x1, w1, c[3]);
-    }
-#else
     asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a0), "r"(a1), "r"(b0));
-#endif
 }
+#endif
 
 // Block b of the row at rp as qb_load decodes it, but only the words of columns 4t.. of each
 // half, in c[0] and c[4]: a lane decodes a quarter of the block (the four lanes of a weight

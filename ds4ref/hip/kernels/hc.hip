@@ -73,6 +73,7 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
     __shared__ float scratch[32];
     __shared__ float pre_s[HC_MAX];
     __shared__ float mix_s[2 * HC_MAX + HC_MAX * HC_MAX];
+    __shared__ float comb_s[HC_MAX * HC_MAX];
     int n = blockIdx.x;
     int mixn = 2 * hc + hc * hc;
     for (int i = threadIdx.x; i < mixn; i += blockDim.x) {
@@ -108,7 +109,9 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
                 int e = e0 + 256 * q;
                 if (e >= c1) break;
                 float acc = 0.0f;
-                for (int k = 0; k < hc; ++k) acc += pre_s[k] * v[q][k];
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k)  // a constant index: v stays in registers
+                    if (k < hc) acc += pre_s[k] * v[q][k];
                 u[(long long)n * d + e] = acc;
             }
         }
@@ -129,7 +132,7 @@ extern "C" __global__ void ds4_hc_pre_finish(const float* __restrict__ streams, 
                 hc_comb_warp<0>(mr, r, scale, base, eps32, iters, hc, out);
         }
     } else if (threadIdx.x == 0) {
-        float c[HC_MAX * HC_MAX];
+        float* c = comb_s;  // one thread's matrix, indexed at run time: LDS, not scratch
         for (int i = 0; i < hc; ++i) {  // softmax over j for each i
             float mx = -DS4_INF;
             for (int j = 0; j < hc; ++j) {

@@ -19,6 +19,7 @@ extern "C" __global__ void ds4_route(const float* __restrict__ logits, const flo
     __shared__ ds4_u8 chosen[RT_MAXE];
     __shared__ int by_rank[RT_MAXK];
     __shared__ int winners;
+    __shared__ int sel_ids[RT_MAXK];  // thread 0's sort, indexed at run time: LDS, not scratch
     int l = blockIdx.x;
     const float* x = logits + (long long)l * E;
     if (threadIdx.x == 0) winners = 0;
@@ -46,7 +47,6 @@ extern "C" __global__ void ds4_route(const float* __restrict__ logits, const flo
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
-    int sel_ids[RT_MAXK];
     if (hash_ids || winners == k) {
         for (int t = 0; t < k; ++t) {  // insertion sort: ascending ids
             int v = hash_ids ? hash_ids[(long long)l * k + t] : by_rank[t], p = t;

@@ -13,6 +13,15 @@
 #ifndef QG_MIN_BLOCKS
 #define QG_MIN_BLOCKS 1
 #endif
+// QG_DOT4 1: a block's integer sums by dot4 on register tiles (qg_chain_dot4), AMD's path
+// (docs/rocm.md says why not WMMA); 0: NVIDIA's m16n8k16 MMA, its default. The same integers
+// either way, so the same bits: forced to 1 on NVIDIA, the H200 twins check that.
+#ifndef QG_DOT4
+#define QG_DOT4 DS4_IS_HIP
+#endif
+#if DS4_IS_HIP && !QG_DOT4
+#error "qgemm.hip: AMD builds the dot4 tiles (QG_DOT4 1); the MMA path is NVIDIA's"
+#endif
 
 // ---- prompt passes: a tiled int8 GEMM in §2a's order -----------------------------------------
 // The butterfly over the 32 partials is a tree; evaluated in post-order it visits the partials in
@@ -37,7 +46,7 @@ struct QgCtx {
     const float* drow;
     const short* srow;
     const ds4_u8* brow;
-    int K, nb, so, sp, r0, ob, g, t;
+    int K, nb, so, sp, r0, ob, g, t;  // QG_DOT4: rows r0.. r0 + 3, weight rows ob, ob + 16, ...
     bool a_ok;
     bool hi;  // the warp stores rows 8..15 of its 16 (else their products are skipped)
 };
@@ -110,6 +119,22 @@ __device__ __forceinline__ void qg_step(const QgCtx& c, QgStage& st, const Iq2Ta
     qg_advance(f, c.nb);
 }
 
+// The block's terms of one output from its integer sums: S the whole block's (Q2_K: already
+// mul0 * S0 + mul1 * S1), pk the weight row's packed multipliers and mins, x its input's half sums.
+template <int WT>
+__device__ __forceinline__ float qg_term(int S, int pk, float s1, float s2, int x) {
+    const bool has_min = QHasMin<WT>::value, halves = WT == WT_Q2_K;
+    int A = !halves && has_min ? (pk & 0xff) * S : S;
+    float tb = s1 * (float)A;
+    if (has_min) {
+        int X0 = (short)(x & 0xffff), X1 = (short)(x >> 16);
+        int B = halves ? ((pk >> 16) & 0xff) * X0 + ((pk >> 24) & 0xff) * X1 : ((pk >> 16) & 0xff) * (X0 + X1);
+        tb = tb - s2 * (float)B;
+    }
+    return tb;
+}
+
+#if !QG_DOT4
 // Chain p (blocks p, p + 32, ... in increasing order, fma from +0, as mq_rows) of the warp's
 // 16 x 32 tile into acc[ni][e] (element e of C fragment ni, as in qm_mma16816); i counts the
 // walk's steps (qg_step). The fetches run QG_AHEAD blocks ahead across chains too, so a chain
@@ -120,7 +145,7 @@ __device__ __forceinline__ void qg_step(const QgCtx& c, QgStage& st, const Iq2Ta
 template <int WT>
 __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p,
                                          QgNext (&nx)[QG_AHEAD], QgCursor& f, int& i, float (&acc)[4][4]) {
-    const bool has_min = QHasMin<WT>::value, halves = WT == WT_Q2_K;
+    const bool halves = WT == WT_Q2_K;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -135,12 +160,7 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
             a[h][1] = *(const int*)(st.a + r1 * QG_STRIDE + 16 * h + 4 * c.t);
         }
         float d[2] = {st.d[c.r0], st.d[r1]};
-        int X[2][2] = {{0, 0}, {0, 0}};
-        if (has_min) {
-            int x0 = st.x[c.r0], x1 = st.x[r1];
-            X[0][0] = (short)(x0 & 0xffff); X[0][1] = (short)(x0 >> 16);
-            X[1][0] = (short)(x1 & 0xffff); X[1][1] = (short)(x1 >> 16);
-        }
+        int x[2] = {st.x[c.r0], st.x[r1]};
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
             int ob8 = c.ob + 8 * ni;
@@ -154,16 +174,8 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
                 int oo = ob8 + 2 * c.t + e % 2, hr = e / 2;
                 if (hr == 1 && !c.hi) continue;  // rows 8..15 of the warp are not stored
                 int pk = st.m[oo];
-                int A = S[0][e];
-                if (halves) A = (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e];
-                else if (has_min) A = (pk & 0xff) * S[0][e];
-                float tb = st.s1[oo] * (float)A;
-                if (has_min) {
-                    int B = halves ? ((pk >> 16) & 0xff) * X[hr][0] + ((pk >> 24) & 0xff) * X[hr][1]
-                                   : ((pk >> 16) & 0xff) * (X[hr][0] + X[hr][1]);
-                    tb = tb - st.s2[oo] * (float)B;
-                }
-                acc[ni][e] = fmaf(d[hr], tb, acc[ni][e]);
+                int A = halves ? (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e] : S[0][e];
+                acc[ni][e] = fmaf(d[hr], qg_term<WT>(A, pk, st.s1[oo], st.s2[oo], x[hr]), acc[ni][e]);
             }
         }
     }
@@ -193,19 +205,109 @@ __device__ __forceinline__ void qg_leaves(const QgCtx& c, QgStage& st, const Iq2
     }
 }
 
+#else
+// qg_chain without MMA fragments: thread (rg, cg) = (tid / 16, tid % 16) owns rows 4 rg .. 4 rg + 3
+// and weight rows cg, cg + 16, cg + 32, cg + 48 of the tile, and forms each block's integer sums
+// with dot4 from 16-byte reads of the staged tile, a half at a time (no fragment exchange, 64
+// code words live at most). acc[i][j]: row r0 + i, weight row ob + 16 j.
 template <int WT>
-__device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+__device__ __forceinline__ void qg_chain_dot4(const QgCtx& c, QgStage& st, const Iq2Tables* iq2, int p,
+                                              QgNext (&nx)[QG_AHEAD], QgCursor& f, int& i, float (&acc)[4][4]) {
+    const bool halves = WT == WT_Q2_K;
+#pragma unroll
+    for (int ri = 0; ri < 4; ++ri)
+#pragma unroll
+        for (int oj = 0; oj < 4; ++oj) acc[ri][oj] = 0.0f;
+    for (int b = p; b < c.nb; b += DS4_WARP) {
+        qg_step<WT>(c, st, iq2, nx, f, i++);
+        int S[4][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            uint4 a[4], w[4];
+#pragma unroll
+            for (int ri = 0; ri < 4; ++ri) a[ri] = *(const uint4*)(st.a + (c.r0 + ri) * QG_STRIDE + 16 * h);
+#pragma unroll
+            for (int oj = 0; oj < 4; ++oj) w[oj] = *(const uint4*)(st.b + (c.ob + 16 * oj) * QG_STRIDE + 16 * h);
+#pragma unroll
+            for (int oj = 0; oj < 4; ++oj) {
+                int mul = halves ? (st.m[c.ob + 16 * oj] >> (8 * h)) & 0xff : 1;
+#pragma unroll
+                for (int ri = 0; ri < 4; ++ri) {
+                    int s = ds4_dp4a((int)a[ri].x, (int)w[oj].x, 0);
+                    s = ds4_dp4a((int)a[ri].y, (int)w[oj].y, s);
+                    s = ds4_dp4a((int)a[ri].z, (int)w[oj].z, s);
+                    s = ds4_dp4a((int)a[ri].w, (int)w[oj].w, s);
+                    S[ri][oj] = (h ? S[ri][oj] : 0) + (halves ? mul * s : s);
+                }
+            }
+        }
+#pragma unroll
+        for (int oj = 0; oj < 4; ++oj) {
+            int oo = c.ob + 16 * oj, pk = st.m[oo];
+            float s1 = st.s1[oo], s2 = st.s2[oo];
+#pragma unroll
+            for (int ri = 0; ri < 4; ++ri) {
+                int r = c.r0 + ri;
+                acc[ri][oj] = fmaf(st.d[r], qg_term<WT>(S[ri][oj], pk, s1, s2, st.x[r]), acc[ri][oj]);
+            }
+        }
+    }
+}
+
+// The same tree with the leaves in a loop (QG_DOT4): unrolled, 32 chains' code and their live
+// ranges overflow AMD's 256 registers into scratch. The pending sums are kept by level instead of
+// on a stack: after leaf Q, level k holds a sum iff bit k of Q + 1 is set, so adding a leaf adds
+// the levels of Q's trailing ones, lowest (latest) first and each on the left, and parks the
+// result at the first clear bit: the stack's pops, in its order. Q is the same in every thread,
+// so each test is a uniform branch and every level keeps its own registers.
+template <int WT>
+__device__ __forceinline__ void qg_leaves_loop(const QgCtx& c, QgStage& st, const Iq2Tables* iq2,
+                                               QgNext (&nx)[QG_AHEAD], QgCursor& f, float (&level)[5][4][4]) {
+    int i = 0;
+#pragma unroll 1
+    for (int Q = 0; Q < DS4_WARP; ++Q) {
+        float acc[4][4];
+        qg_chain_dot4<WT>(c, st, iq2, qg_bitrev5(Q), nx, f, i, acc);
+        bool carry = true;
+#pragma unroll
+        for (int k = 0; k < 5; ++k) {
+            if (!carry) continue;
+            if ((Q >> k) & 1) {
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[u][e] = level[k][u][e] + acc[u][e];
+            } else {
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) level[k][u][e] = acc[u][e];
+                carry = false;
+            }
+        }
+        if (carry)  // Q = 31: the root
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) level[0][u][e] = acc[u][e];
+    }
+}
+
+#endif  // QG_DOT4
+
+template <int WT>
+__device__ __forceinline__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
                         float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
     __shared__ __align__(16) QgStage st;
     __shared__ Iq2Tables iq2[1];
     if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
     __syncthreads();  // the tables, before the first block's prefetch decodes with them
     int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
-    int wr = warp % 4, wc = warp / 4;  // warp tile: rows 16 wr .., weight rows 32 wc ..
+    int wr = warp % 4, wc = warp / 4;  // MMA warp tile: rows 16 wr .., weight rows 32 wc ..
     int l0 = (int)blockIdx.y * QG_TILE, o0 = (int)blockIdx.x * QG_TILE, grp = blockIdx.z;
-    int na;  // rows of this warp's 16-lane group that are stored (as mq_body)
+    int na;  // rows of this thread's 16-lane group that are stored (as mq_body)
     {
-        int lm = l0 + 16 * wr, n = L - lm < 16 ? L - lm : 16;
+        int lm = l0 + 16 * (QG_DOT4 ? tid / 64 : wr), n = L - lm < 16 ? L - lm : 16;
         na = n <= 0 ? 0 : mv3_active(n, lane_slot ? lane_slot + lm : lane_slot);
     }
     QgCtx c;
@@ -222,8 +324,8 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
     c.nb = K / QB;
     c.g = lane / 4;
     c.t = lane % 4;
-    c.r0 = 16 * wr + c.g;
-    c.ob = 32 * wc;
+    c.r0 = QG_DOT4 ? 4 * (tid / 16) : 16 * wr + c.g;
+    c.ob = QG_DOT4 ? tid % 16 : 32 * wc;
     c.hi = na > 8;
     float stack[5][4][4];
     QgNext nx[QG_AHEAD];  // the walk's first QG_AHEAD blocks before it starts
@@ -236,15 +338,20 @@ __device__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const f
         if (f.b < c.nb) qg_fetch<WT>(c, f.b, iq2, nx[k].av, nx[k].dv, nx[k].xv, nx[k].w);
         qg_advance(f, c.nb);
     }
+#if QG_DOT4
+    qg_leaves_loop<WT>(c, st, iq2, nx, f, stack);
+#else
     int i = 0;
     qg_leaves<WT, 0>(c, st, iq2, nx, f, i, stack);
+#endif
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni)
+    for (int u = 0; u < 4; ++u)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int r = 16 * wr + c.g + 8 * (e / 2), o = o0 + 32 * wc + 8 * ni + 2 * c.t + e % 2;
+        for (int e = 0; e < 4; ++e) {  // QG_DOT4: stack[0][row i][weight row j]; MMA: [fragment ni][element e]
+            int r = QG_DOT4 ? c.r0 + u : 16 * wr + c.g + 8 * (e / 2);
+            int o = o0 + (QG_DOT4 ? c.ob + 16 * e : 32 * wc + 8 * u + 2 * c.t + e % 2);
             if (o < N && r % 16 < na)
-                y[(long long)(l0 + r) * ldy + grp * gs + o] = stack[0][ni][e];
+                y[(long long)(l0 + r) * ldy + grp * gs + o] = stack[0][u][e];
         }
 }
 
