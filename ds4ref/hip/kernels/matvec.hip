@@ -57,7 +57,7 @@ __device__ __forceinline__ int mv3_group_active(int L, const int* lane_slot, int
 // gs = N lays the groups side by side in a row (the grouped output projection); gs past the
 // lanes' rows gives each group an output of its own (matrices that share an input: one launch).
 template <int WT, int R, int U>
-__device__ __forceinline__ void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,
+DS4_BODY void mv3_body(const ds4_u8* W, const float* x, float* y, int N, int K, int L, int ldx, int xg,
                          int ldy, long long gs, const int* lane_slot) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[MV_LANES];
@@ -80,7 +80,7 @@ __device__ __forceinline__ void mv3_body(const ds4_u8* W, const float* x, float*
 // the splits in z order. KS depends only on the shape, so a lane's sum is the same alone
 // or among 16 or 256.
 template <int WT, int R, int U>
-__device__ __forceinline__ void mv3_split_body(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,
+DS4_BODY void mv3_split_body(const ds4_u8* W, const float* x, float* part, int N, int K, int L, int ldx,
                                const int* lane_slot, int KS) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[MV_LANES];

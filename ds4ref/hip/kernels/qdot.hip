@@ -112,12 +112,10 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                     }
                 __syncthreads();
             }
-            // guards, not breaks, in the unrolled loops: each index into raw and acc stays a
-            // constant, so they stay in registers (a break left AMD's compiler indexing scratch)
 #pragma unroll
             for (int j = 0; j < MQ_AHEAD; ++j) {
                 int lb = r0 + j * DS4_WARP + lane;
-                if (lb >= nb) continue;
+                if (lb >= nb) DS4_UNROLLED_EXIT;
                 int b = c0 / QB + lb;
                 QBlock w[R];
 #pragma unroll
@@ -125,7 +123,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
                 const uint4* xp = (const uint4*)sq + lb;
 #pragma unroll
                 for (int a = 0; a < MV_LANES; ++a) {
-                    if (a >= na) continue;
+                    if (a >= na) DS4_UNROLLED_EXIT;
                     uint4 x0 = xp[a * (KC / 16)], x1 = xp[a * (KC / 16) + nb];
                     float d = sd[a * (KC / QB) + lb];
                     int X0 = 0, X1 = 0;
@@ -161,7 +159,7 @@ __device__ __forceinline__ void mq_rows(const ds4_u8* __restrict__ Wb, long long
 // blocks blockIdx.x, + gridDim.x, ..., staging its inputs once where they fit whole (ops.qmatvec_grid);
 // gs as matvec.hip's.
 template <int WT, int R>
-__device__ __forceinline__ void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+DS4_BODY void mq_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
                         float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
     __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];
     __shared__ long long xoff[MV_LANES], doff[MV_LANES], soff[MV_LANES], ybase[MV_LANES];
@@ -209,7 +207,7 @@ DS4_QMATVEC(ds4_qmatvec_mxfp4_r2, WT_MXFP4, 2)
 // expert. Input of pair lt: row lt (x_per_choice) or lt / kk of the quantised rows, K wide.
 
 template <int WT, int R>
-__device__ __forceinline__ void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
+DS4_BODY void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,
                         const short* xs, int x_per_choice, const int* __restrict__ list, float* __restrict__ y,
                         int N, int K, int kk) {
     __shared__ __align__(16) ds4_u8 smem[MQ_SMEM];

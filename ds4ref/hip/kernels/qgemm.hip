@@ -119,19 +119,25 @@ __device__ __forceinline__ void qg_step(const QgCtx& c, QgStage& st, const Iq2Ta
     qg_advance(f, c.nb);
 }
 
-// The block's terms of one output from its integer sums: S the whole block's (Q2_K: already
-// mul0 * S0 + mul1 * S1), pk the weight row's packed multipliers and mins, x its input's half sums.
+// The block's terms of weight row oo of the tile for one input from their integer sums: S the
+// whole block's (Q2_K: already mul0 * S0 + mul1 * S1, pk = st.m[oo] its multipliers and mins), X0
+// and X1 the input's half sums.
 template <int WT>
-__device__ __forceinline__ float qg_term(int S, int pk, float s1, float s2, int x) {
+__device__ __forceinline__ float qg_term(const QgStage& st, int oo, int pk, int S, int X0, int X1) {
     const bool has_min = QHasMin<WT>::value, halves = WT == WT_Q2_K;
     int A = !halves && has_min ? (pk & 0xff) * S : S;
-    float tb = s1 * (float)A;
+    float tb = st.s1[oo] * (float)A;
     if (has_min) {
-        int X0 = (short)(x & 0xffff), X1 = (short)(x >> 16);
         int B = halves ? ((pk >> 16) & 0xff) * X0 + ((pk >> 24) & 0xff) * X1 : ((pk >> 16) & 0xff) * (X0 + X1);
-        tb = tb - s2 * (float)B;
+        tb = tb - st.s2[oo] * (float)B;
     }
     return tb;
+}
+
+// An input row's packed half sums (QgStage::x) as X0, X1.
+__device__ __forceinline__ void qg_halves(int x, int& X0, int& X1) {
+    X0 = (short)(x & 0xffff);
+    X1 = (short)(x >> 16);
 }
 
 #if !QG_DOT4
@@ -160,7 +166,11 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
             a[h][1] = *(const int*)(st.a + r1 * QG_STRIDE + 16 * h + 4 * c.t);
         }
         float d[2] = {st.d[c.r0], st.d[r1]};
-        int x[2] = {st.x[c.r0], st.x[r1]};
+        int X[2][2] = {{0, 0}, {0, 0}};
+        if (QHasMin<WT>::value) {
+            qg_halves(st.x[c.r0], X[0][0], X[0][1]);
+            qg_halves(st.x[r1], X[1][0], X[1][1]);
+        }
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
             int ob8 = c.ob + 8 * ni;
@@ -175,7 +185,7 @@ __device__ __forceinline__ void qg_chain(const QgCtx& c, QgStage& st, const Iq2T
                 if (hr == 1 && !c.hi) continue;  // rows 8..15 of the warp are not stored
                 int pk = st.m[oo];
                 int A = halves ? (pk & 0xff) * S[0][e] + ((pk >> 8) & 0xff) * S[1][e] : S[0][e];
-                acc[ni][e] = fmaf(d[hr], qg_term<WT>(A, pk, st.s1[oo], st.s2[oo], x[hr]), acc[ni][e]);
+                acc[ni][e] = fmaf(d[hr], qg_term<WT>(st, oo, pk, A, X[hr][0], X[hr][1]), acc[ni][e]);
             }
         }
     }
@@ -241,15 +251,16 @@ __device__ __forceinline__ void qg_chain_dot4(const QgCtx& c, QgStage& st, const
                 }
             }
         }
+        int X[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
+        if (QHasMin<WT>::value)
+#pragma unroll
+            for (int ri = 0; ri < 4; ++ri) qg_halves(st.x[c.r0 + ri], X[ri][0], X[ri][1]);
 #pragma unroll
         for (int oj = 0; oj < 4; ++oj) {
             int oo = c.ob + 16 * oj, pk = st.m[oo];
-            float s1 = st.s1[oo], s2 = st.s2[oo];
 #pragma unroll
-            for (int ri = 0; ri < 4; ++ri) {
-                int r = c.r0 + ri;
-                acc[ri][oj] = fmaf(st.d[r], qg_term<WT>(S[ri][oj], pk, s1, s2, st.x[r]), acc[ri][oj]);
-            }
+            for (int ri = 0; ri < 4; ++ri)
+                acc[ri][oj] = fmaf(st.d[c.r0 + ri], qg_term<WT>(st, oo, pk, S[ri][oj], X[ri][0], X[ri][1]), acc[ri][oj]);
         }
     }
 }
@@ -296,7 +307,7 @@ __device__ __forceinline__ void qg_leaves_loop(const QgCtx& c, QgStage& st, cons
 #endif  // QG_DOT4
 
 template <int WT>
-__device__ __forceinline__ void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
+DS4_BODY void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
                         float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
     __shared__ __align__(16) QgStage st;
     __shared__ Iq2Tables iq2[1];

@@ -164,7 +164,7 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
 // expert's pairs in lane order: a pair's column order and operation sequence are the dense
 // matvec's, so a lane's result never depends on which other lanes chose the expert.
 template <int WT, int R, int U>
-__device__ __forceinline__ void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
+DS4_BODY void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
                          const int* __restrict__ list, float* __restrict__ y, int N, int K, int kk) {
     __shared__ float4 xs4[MV3_XS / 4];
     __shared__ const float* xrow[EL_PAIRS];

@@ -101,7 +101,7 @@ __device__ __forceinline__ ds4_u32 e2m1_code(float q) {  // q on the E2M1 grid
 }
 
 // Write one row (v: D floats) in format f. Called by a whole block.
-__device__ __forceinline__ void row_put(ds4_u8* dst, const float* v, const RowFmt& f) {
+DS4_BODY void row_put(ds4_u8* dst, const float* v, const RowFmt& f) {
     __shared__ int ex[64];
     if (f.kind == ROW_F32) {
         for (int i = threadIdx.x; i < f.D; i += blockDim.x) ((float*)dst)[i] = v[i];
