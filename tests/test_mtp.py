@@ -8,7 +8,7 @@ import pytest
 
 import ds4ref
 from ds4ref.gguf.file import write_gguf, GGUFError
-from ds4ref.gguf.mtp import PREFIX, MTPError, in_file_name, mtp_config, mtp_tensor_shapes, nextn_metadata
+from ds4ref.gguf.mtp import PREFIX, MTPError, in_file_name, mtp_config, nextn_metadata
 from ds4ref.gguf.tiny import (default_model_path, default_mtp_path, random_mtp, random_tensors, tiny_config,
                               tiny_dtypes, write_tiny)
 from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
