@@ -79,7 +79,8 @@ class DS4Model:
 def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics: str = "official",
          dtype=np.float32, mtp: str | os.PathLike | None = None) -> DS4Model:
     """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model. Its MTP block
-    comes from the file (llama.cpp's layout) or from `mtp`, antirez's separate MTP GGUF."""
+    comes from `mtp`, a separate MTP GGUF (llama.cpp's MTP file or antirez's), or from the
+    model file itself in ds4ref's former layout; the embedded model's ships beside it."""
     from .gguf.file import open_gguf
     from .gguf.tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
@@ -90,8 +91,11 @@ def from_file(model_file, backend: str = "numpy", numerics: str = "official", dt
               mtp: str | os.PathLike | None = None) -> DS4Model:
     """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
     from .gguf.mtp import MTPError, in_file_mtp, separate_mtp
+    from .gguf.tiny import packaged_mtp
     notes = list(model_file.notes)
     mtp_weights = in_file_mtp(model_file, dtype, notes)
+    if mtp is None:
+        mtp = packaged_mtp(model_file.path)
     if mtp is not None:
         if model_file.mtp_block is not None:
             raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "

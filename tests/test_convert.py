@@ -195,16 +195,15 @@ def test_bad_checkpoint_refused_naming_the_tensor(tmp_path, official_ck, case):
 def test_incomplete_mtp_block_refused(tmp_path, model, official_ck):
     _rewrite(official_ck, lambda sd: sd.__setitem__("mtp.0.e_proj.weight", torch.zeros(4, 4)))
     with pytest.raises(ConvertError, match=r"mtp\.0\.\* .*missing tensors .*'blk\.4\.attn_kv\.weight'"):
-        convert(official_ck, tmp_path / "m.gguf")
+        convert(official_ck, tmp_path / "m.gguf", mtp_out=tmp_path / "mtp.gguf")
 
 
 def _official_mtp(cfg):
     """The official checkpoint's mtp.0.* tensors of a random MTP block, and the block by our names."""
     from ds4ref.convert.hf import EXPERT_OFFICIAL, LAYER_NAMES
-    from ds4ref.gguf.mtp import OWN, PREFIX, in_file_name
+    from ds4ref.gguf.mtp import OWN, PREFIX
     from ds4ref.gguf.tiny import random_mtp
-    t, _, _ = random_mtp(cfg, 3)
-    ours = {n: t[in_file_name(n, cfg.n_layer)] for n in _mtp_names(cfg)}
+    ours, _ = random_mtp(cfg, 3)
     sd = {}
     for name, v in ours.items():
         suffix = name[len(PREFIX):]
@@ -219,25 +218,37 @@ def _official_mtp(cfg):
     return sd, ours
 
 
-def _mtp_names(cfg):
-    from ds4ref.gguf.mtp import mtp_config, mtp_tensor_shapes
-    return list(mtp_tensor_shapes(mtp_config(cfg)))
-
-
-def test_mtp_block_kept(tmp_path, model, official_ck):
-    """mtp.0.* becomes the last block, llama.cpp's layout (nextn_predict_layers = 1); the main
-    tensors and config are unchanged and the reader finds the block."""
+def test_mtp_block_written_beside(tmp_path, model, official_ck):
+    """mtp.0.* goes to llama.cpp's MTP file when asked for, and is left out otherwise, as
+    llama.cpp's converter does with and without --mtp: the model file is the same bytes either
+    way and carries neither the block nor nextn_predict_layers."""
     import ds4ref
     cfg, tensors = model
     sd_mtp, ours = _official_mtp(cfg)
     _rewrite(official_ck, lambda sd: sd.update(sd_mtp))
-    convert(official_ck, tmp_path / "m.gguf")
+    convert(official_ck, tmp_path / "m.gguf", mtp_out=tmp_path / "mtp-m.gguf")
+    convert(official_ck, tmp_path / "alone.gguf")
     _assert_same_tensors(tmp_path / "m.gguf", cfg, tensors)
+    assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "alone.gguf").read_bytes()
     f = open_gguf(tmp_path / "m.gguf")
-    assert f.metadata["deepseek4.nextn_predict_layers"] == 1 and f.mtp_block == cfg.n_layer
-    m = ds4ref.load(tmp_path / "m.gguf")
+    assert set(f.tensors) == set(tensor_shapes(cfg)) and "deepseek4.nextn_predict_layers" not in f.metadata
+    m = ds4ref.load(tmp_path / "m.gguf", mtp=tmp_path / "mtp-m.gguf")
     for name, v in ours.items():
         assert np.array_equal(m.mtp.weights.get(name), v), name
+
+
+def test_mtp_cli(tmp_path, model, official_ck, capsys):
+    cfg, _ = model
+    _rewrite(official_ck, lambda sd: sd.update(_official_mtp(cfg)[0]))
+    main(["--hf", str(official_ck), "--out", str(tmp_path / "m.gguf")])
+    assert "left out the checkpoint's MTP block (mtp.0.*): --mtp-out FILE writes it" in capsys.readouterr().out
+    main(["--hf", str(official_ck), "--out", str(tmp_path / "m.gguf"), "--mtp-out", str(tmp_path / "mtp.gguf")])
+    assert "as llama.cpp's MTP file" in capsys.readouterr().out and (tmp_path / "mtp.gguf").is_file()
+
+
+def test_mtp_out_without_an_mtp_block_refused(tmp_path, official_ck):
+    with pytest.raises(ConvertError, match=r"no mtp\.0\.\* tensors: the checkpoint has no MTP block"):
+        convert(official_ck, tmp_path / "m.gguf", mtp_out=tmp_path / "mtp.gguf")
 
 
 def test_bad_config_named(tmp_path, official_ck):

@@ -12,7 +12,7 @@ from gguf import GGUFValueType as V
 
 import ds4ref
 import consumers
-from ds4ref.gguf.file import GGUFError, open_gguf, write_gguf
+from ds4ref.gguf.file import GGUFError, MTPFile, open_gguf, write_gguf
 from ds4ref.gguf.tensors import is_int_tensor
 from ds4ref.gguf.tiny import random_tensors, tiny_config, write_tiny
 from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
@@ -60,8 +60,9 @@ def _tokenizer_typed(token_type: int) -> dict:
 def llama_cpp_style(path: Path, tensors: dict, mtp: bool = True, nextn: int = 1,
                     token_type: int = CONTROL, meta_changes: dict | None = None, tokenizer: bool = True) -> Path:
     """A file as llama.cpp's converter writes one: u32 keys, no vocab_size, gating func 4,
-    rope.scaling.type yarn, CONTROL `<｜…｜>` tokens, MXFP4 experts (gguf-py's quantiser),
-    and (mtp=True) an MTP block counted in block_count with its nextn.* tensors."""
+    rope.scaling.type yarn, CONTROL `<｜…｜>` tokens, MXFP4 experts (gguf-py's quantiser);
+    mtp=True adds an MTP block counted in block_count with its nextn.* tensors, a main file
+    llama.cpp's loader also takes (its converter writes the block to a file of its own)."""
     n_all = CFG.n_layer + (1 if mtp else 0)
     meta = typed_meta(CFG)
     del meta[P + "vocab_size"]
@@ -157,9 +158,10 @@ def test_refusals_name_the_key(tmp_path, tensors, changes, names):
 
 def test_written_files_satisfy_every_consumer(tmp_path, own_file):
     tiny = tmp_path / "tiny.gguf"
-    write_tiny(tiny)
-    for path in (tiny, own_file, ds4ref.gguf.tiny.default_model_path()):
-        types = open_gguf(path).value_types
+    write_tiny(tiny, mtp=tmp_path / "mtp-tiny.gguf")
+    packaged = (ds4ref.gguf.tiny.default_model_path(), ds4ref.gguf.tiny.default_mtp_path())
+    for path in (tiny, tmp_path / "mtp-tiny.gguf", own_file, *packaged):
+        types = MTPFile(path).value_types
         for consumer in consumers.CONSUMERS:
             assert consumers.problems(consumer, types) == [], (path, consumer)
 

@@ -48,6 +48,6 @@ def test_speculating_server_answers_exactly_as_a_plain_one(servers, kw):
 
 def test_speculation_needs_an_mtp_block(tmp_path):
     path = tmp_path / "no-mtp.gguf"
-    write_tiny(path, mtp=False)
+    write_tiny(path)
     with pytest.raises(ValueError, match="needs an MTP block"):
         build_state(str(path), max_concurrency=1, max_context=256, speculative_tokens=2)

@@ -64,11 +64,14 @@ def test_write_tiny_is_deterministic(tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
-def test_packaged_file_is_current(tmp_path, tiny_model_path):
-    # Regenerate with: python -m ds4ref.gguf.tiny --out ds4ref/data/ds4-tiny.gguf
-    write_tiny(tmp_path / "fresh.gguf", seed=0)
+def test_packaged_files_are_current(tmp_path, tiny_model_path):
+    # Regenerate with:
+    # python -m ds4ref.gguf.tiny --out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf
+    from ds4ref.gguf.tiny import default_mtp_path
+    write_tiny(tmp_path / "fresh.gguf", seed=0, mtp=tmp_path / "mtp-fresh.gguf")
     assert tiny_model_path == default_model_path() and tiny_model_path.stat().st_size < 16 << 20
     assert tiny_model_path.read_bytes() == (tmp_path / "fresh.gguf").read_bytes()
+    assert default_mtp_path().read_bytes() == (tmp_path / "mtp-fresh.gguf").read_bytes()
 
 
 @pytest.mark.parametrize("policy", ["q2", "q4", "mxfp4"])
@@ -104,11 +107,13 @@ def test_packaged_file_opens_with_the_tiny_config(tiny_file):
 
 
 def test_cli_writes_requested_layers(tmp_path, capsys):
+    import ds4ref
     out = tmp_path / "cli.gguf"
-    main(["--out", str(out), "--layers", "4", "--seed", "3"])
+    main(["--out", str(out), "--layers", "4", "--seed", "3", "--mtp-out", str(tmp_path / "mtp-cli.gguf")])
     cfg = open_gguf(out).config
     assert cfg.n_layer == 4 and cfg.compress_ratios == (0, 0, 4, 128)
     assert "4 layers" in capsys.readouterr().out
+    assert ds4ref.load(out, mtp=tmp_path / "mtp-cli.gguf").mtp.config.n_embd == cfg.n_embd
 
 
 def test_swiglu_clamps_bite_on_random_inputs(tiny_weights):

@@ -1,6 +1,6 @@
 """Convert a DeepSeek-V4 safetensors checkpoint directory to a deepseek4 GGUF.
 
-    python -m ds4ref.convert --hf DIR --out FILE.gguf [--dtype f32|f16|bf16|q8_0]
+    python -m ds4ref.convert --hf DIR --out FILE.gguf [--dtype f32|f16|bf16|q8_0] [--mtp-out MTP.gguf]
 
 DIR holds config.json (transformers' modern keys or the legacy ones, see
 ds4ref.convert.hf.config_from_hf) and one or more *.safetensors files with official
@@ -15,6 +15,7 @@ routed experts are repacked to MXFP4 losslessly. docs/convert.md has the details
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import re
@@ -27,7 +28,7 @@ from ..console import HelpFormatter
 import numpy as np
 
 from ..gguf.config import ConfigError, DS4Config
-from ..gguf.mtp import OWN as MTP_OWN, PREFIX as MTP_PREFIX, in_file_name, mtp_config, mtp_tensor_shapes, nextn_metadata
+from ..gguf.mtp import OWN as MTP_OWN, PREFIX as MTP_PREFIX, mtp_config, mtp_tensor_shapes
 from .fp8 import QuantError, decode_scales, dequantise_fp8, fp4_to_mxfp4, fp4_values
 from .hf import (EXPERT_OFFICIAL, EXPERT_TENSORS, GLOBAL_ALIASES, GLOBAL_NAMES, HF_DOWN, HF_GATE_UP,
                  LAYER_ALIASES, LAYER_NAMES, HFError, config_from_hf, strip_model_prefix)
@@ -274,8 +275,8 @@ def pair_scales(sources: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
 
 def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor], mtp_own: dict[str, str] | None = None) -> _Plan:
     """Assign every source tensor to its GGUF tensor; raise on quantised/unexpected/missing.
-    mtp_own: the MTP's own tensors (source key -> GGUF name) when cfg counts the MTP block as its
-    last layer (with_mtp); otherwise `mtp.*` tensors are ignored."""
+    mtp_own: the MTP's own tensors (source key -> `mtp.0.*` name) when cfg counts the MTP block
+    as its last layer (with_mtp); otherwise `mtp.*` tensors are ignored."""
     sources = pair_scales(sources)
     _refuse_quantised(sources)
     glob, layer = _lookup_tables()
@@ -491,40 +492,60 @@ def stored_dtypes(cfg: DS4Config, dtype: str) -> dict[str, str]:
             if not is_int_tensor(name)}
 
 
-def convert(hf_dir, out, dtype: str = "f32") -> DS4Config:
-    """Convert checkpoint directory `hf_dir` to GGUF file `out`; returns the config."""
+def convert(hf_dir, out, dtype: str = "f32", mtp_out=None) -> DS4Config:
+    """Convert checkpoint directory `hf_dir` to GGUF file `out`; returns the config. `mtp_out`:
+    where to write the checkpoint's MTP block (`mtp.0.*`) as llama.cpp's MTP file; without it
+    the block is left out, as llama.cpp's converter leaves it out without --mtp."""
     from ..gguf.file import write_gguf
+    from ..gguf.mtp import SHARED, write_mtp_gguf
 
     hf_dir = Path(hf_dir)
     cfg = load_config(hf_dir)
     sources = scan_dir(hf_dir)
-    extra = {"general.file_type": _FILE_TYPE[dtype], "deepseek4.rope.scaling.type": "yarn",
-             "deepseek4.nextn_predict_layers": 0}
+    extra = {"general.file_type": _FILE_TYPE[dtype], "deepseek4.rope.scaling.type": "yarn"}
     dtypes = stored_dtypes(cfg, dtype)
-    if any(strip_model_prefix(n).startswith(MTP_SRC) for n in sources):
-        ext, own = with_mtp(cfg)
-        try:
-            tensors = gguf_tensors(ext, plan_tensors(ext, sources, own), _Opener(), own_shapes(cfg))
-        except ConvertError as exc:
-            raise ConvertError(f"the checkpoint has mtp.0.* tensors (the MTP block, written as block "
-                               f"{cfg.n_layer}): {exc}") from None
-        dtypes = {**stored_dtypes(ext, dtype), **{n: (dtype if len(s) >= 2 else "f32")
-                                                  for n, s in own_shapes(cfg).items()}}
-        extra.update(nextn_metadata(cfg, mtp_config(cfg)))
-    else:
+    tokenizer = tokenizer_meta(hf_dir, cfg)
+    if mtp_out is None:
         tensors = gguf_tensors(cfg, plan_tensors(cfg, sources), _Opener())
-    write_gguf(out, cfg, _with_progress(tensors), tokenizer_meta=tokenizer_meta(hf_dir, cfg), dtypes=dtypes,
-               extra_meta=extra)
+        write_gguf(out, cfg, _with_progress(tensors), tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+        return cfg
+    if not has_mtp(sources):
+        raise ConvertError(f"{hf_dir}: no {MTP_SRC}* tensors: the checkpoint has no MTP block to write to {mtp_out}")
+    main, block = _with_mtp_block(cfg, sources)
+    shared = {n: copy.copy(main[n]) for n in SHARED}  # read again for the MTP file, with a bar of its own
+    write_gguf(out, cfg, _with_progress(main), tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+    mtp = _with_progress({**block, **shared})
+    mtp_dtypes = {n: (dtype if len(t.shape) >= 2 else "f32") for n, t in mtp.items()}
+    write_mtp_gguf(mtp_out, cfg, {n: mtp[n] for n in block}, {n: mtp[n] for n in shared}, tokenizer, mtp_dtypes,
+                   extra_meta=extra)
     return cfg
 
 
 MTP_SRC = "mtp.0."  # the official checkpoint's MTP block (num_nextn_predict_layers = 1)
 
 
+def has_mtp(sources: dict[str, SourceTensor]) -> bool:
+    return any(strip_model_prefix(n).startswith(MTP_SRC) for n in sources)
+
+
+def _with_mtp_block(cfg: DS4Config, sources: dict[str, SourceTensor]) -> tuple[dict, dict]:
+    """(the model's tensors, the MTP block's by their `mtp.0.*` names): the block planned as
+    one more layer after the model's, so it is checked like any layer."""
+    ext, own = with_mtp(cfg)
+    try:
+        tensors = gguf_tensors(ext, plan_tensors(ext, sources, own), _Opener(), own_shapes(cfg))
+    except ConvertError as exc:
+        raise ConvertError(f"the checkpoint has {MTP_SRC}* tensors (the MTP block, planned as block "
+                           f"{cfg.n_layer}): {exc}") from None
+    layer = f"blk.{cfg.n_layer}."
+    block = {(MTP_PREFIX + n[len(layer):] if n.startswith(layer) else n): t for n, t in tensors.items()
+             if n.startswith(layer) or n.startswith(MTP_PREFIX)}
+    return {n: t for n, t in tensors.items() if n in tensor_shapes(cfg)}, block
+
+
 def with_mtp(cfg: DS4Config) -> tuple[DS4Config, dict[str, str]]:
-    """(cfg with the MTP block as one more layer, source key -> GGUF name of the MTP's own tensors):
-    the converter writes the block the way llama.cpp's deepseek4 converter does, as block
-    n_layer with `nextn.*` tensors (gguf.mtp, docs/mtp.md)."""
+    """(cfg with the MTP block as one more layer, source key -> `mtp.0.*` name of the MTP's own
+    tensors), for planning the block beside the model's layers (docs/mtp.md)."""
     mcfg = mtp_config(cfg)
     ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + 1, compress_ratios=cfg.compress_ratios + mcfg.compress_ratios,
                               swiglu_clamp=cfg.swiglu_clamp + mcfg.swiglu_clamp)
@@ -532,14 +553,13 @@ def with_mtp(cfg: DS4Config) -> tuple[DS4Config, dict[str, str]]:
     for suffix in MTP_OWN:
         src = MTP_SRC + (suffix if suffix.endswith("proj.weight") or suffix.endswith("norm.weight")
                          else suffix.removesuffix(".weight"))
-        own[src] = in_file_name(MTP_PREFIX + suffix, cfg.n_layer)
+        own[src] = MTP_PREFIX + suffix
     return ext, own
 
 
 def own_shapes(cfg: DS4Config) -> dict[str, tuple[int, ...]]:
-    """GGUF name -> NumPy shape of the MTP's own tensors in the converted file."""
-    return {in_file_name(n, cfg.n_layer): s for n, s in mtp_tensor_shapes(mtp_config(cfg)).items()
-            if n[len(MTP_PREFIX):] in MTP_OWN}
+    """`mtp.0.*` name -> NumPy shape of the MTP's own tensors."""
+    return {n: s for n, s in mtp_tensor_shapes(mtp_config(cfg)).items() if n[len(MTP_PREFIX):] in MTP_OWN}
 
 
 def _with_progress(tensors: dict) -> dict:
@@ -582,10 +602,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="output .gguf path")
     ap.add_argument("--dtype", default="f32", choices=DTYPES,
                     help="stored type of matrices (1-D tensors stay f32; tid2eid is i32)")
+    ap.add_argument("--mtp-out", default=None, metavar="FILE",
+                    help="also write the checkpoint's MTP block (mtp.0.*) to FILE, as llama.cpp's MTP file "
+                         "(its converter's --mtp); without it the block is left out")
     args = ap.parse_args(argv)
     try:
-        cfg = convert(args.hf, args.out, args.dtype)
+        cfg = convert(args.hf, args.out, args.dtype, args.mtp_out)
     except ConvertError as exc:
         raise SystemExit(f"convert: {exc}") from None
     print(f"wrote {args.out}: {cfg.n_layer} layers, {len(tensor_shapes(cfg))} tensors, dtype {args.dtype}")
+    if args.mtp_out:
+        print(f"wrote {args.mtp_out}: its MTP block, as llama.cpp's MTP file")
+    elif has_mtp(scan_dir(Path(args.hf))):
+        print(f"left out the checkpoint's MTP block ({MTP_SRC}*): --mtp-out FILE writes it")
 

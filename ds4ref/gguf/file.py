@@ -329,7 +329,7 @@ class GGUFTensorFile:
 
 
 class MTPFile(GGUFTensorFile):
-    """antirez's separate MTP GGUF: `mtp.0.*` tensors, checked against a model by gguf.mtp."""
+    """A separate MTP GGUF (llama.cpp's MTP file or antirez's), checked against a model by gguf.mtp."""
 
     def __repr__(self) -> str:
         return f"MTPFile({self.path!r}, {len(self.tensors)} tensors)"
@@ -337,7 +337,7 @@ class MTPFile(GGUFTensorFile):
 
 class GGUFModelFile(GGUFTensorFile):
     """An opened deepseek4 GGUF: metadata, config and the tensor directory. `mtp_block`: the
-    index of the MTP block it carries in llama.cpp's layout (gguf.mtp), else None."""
+    index of the MTP block it carries as its last block (ds4ref's former layout, gguf.mtp), else None."""
 
     def _setup(self) -> None:
         shapes = {t.name: t.shape for t in self._infos}
@@ -405,7 +405,9 @@ def effective_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
       blocks are MTP, but only when block `block_count-k` has its nextn projection
       (`nextn.e_proj`, or a fused `nextn.eh_proj`)
       (llama.cpp's loader rule: antirez's files say k = 1 and ship the MTP block in a
-      separate file, so all their blocks are layers). MTP blocks are never run as layers (gguf.mtp reads them).
+      separate file, so all their blocks are layers). MTP blocks are never run as layers
+      (gguf.mtp reads them). A file of the MTP block alone (llama.cpp's MTP file: no
+      `blk.0.attn_norm.weight`, its loader's test) is refused: it goes beside a model.
     """
     out, notes = dict(meta), []
     vkey = f"{ARCH}.vocab_size"
@@ -433,6 +435,10 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
                         f"(an MTP-only file is not a model ds4ref can run)")
     main = blocks - nextn
     probe = f"blk.{main}.nextn.e_proj.weight (or nextn.eh_proj)"
+    if has_in_file_mtp_block(shapes, main) and "blk.0.attn_norm.weight" not in shapes:
+        raise GGUFError("this is an MTP file (llama.cpp's layout: the MTP block without the model's "
+                        "layers), not a model: give it beside its model, ds4ref.load(MODEL, mtp=FILE) or "
+                        "python -m ds4ref.serve --model MODEL --mtp FILE")
     if has_in_file_mtp_block(shapes, main):
         meta[bkey] = main
         which = f"block {main}" if nextn == 1 else f"blocks {main}..{blocks - 1}"
@@ -541,32 +547,39 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
     "q8_0", ...); integer tensors are always I32.
     """
     check_tensor_shapes(config, {k: tuple(v.shape) for k, v in tensors.items()}, "write_gguf")
-    dtypes = dict(dtypes or {})
     meta = dict(config.to_metadata())
     meta.update(tokenizer_meta or {})
     meta.update(extra_meta or {})
+    ordered = {name: tensors[name] for name in _tensor_order(config, tensors)}
+    write_tensor_file(path, meta, ordered, dtypes, default_dtype)
+
+
+def write_tensor_file(path: str | os.PathLike, meta: Mapping[str, Any], tensors: Mapping[str, Any],
+                      dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32") -> None:
+    """Write a deepseek4 GGUF of `meta` and `tensors`, in their order, checking neither
+    against a config (write_gguf does for a model file, gguf.mtp for an MTP file)."""
+    dtypes = dict(dtypes or {})
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
         _add_metadata(writer, meta)
-        order = _tensor_order(config, tensors)
-        for name in order:  # tensor infos first: the header precedes all data
-            qtype = _stored_qtype(name, tensors[name], dtypes.get(name, default_dtype))
-            shape = tuple(tensors[name].shape)
+        for name, value in tensors.items():  # tensor infos first: the header precedes all data
+            qtype = _stored_qtype(name, value, dtypes.get(name, default_dtype))
+            shape = tuple(value.shape)
             writer.add_tensor_info(name, shape, np.dtype(np.float32), _stored_nbytes(name, shape, qtype),
                                    raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for name in order:
+        for name, value in tensors.items():
             dtype = dtypes.get(name, default_dtype)
-            parts = _stored_parts(name, tensors[name], dtype)
+            parts = _stored_parts(name, value, dtype)
             if parts is not None:  # a part at a time: quant blocks never span rows or experts
                 _write_rows(writer, parts)
                 continue
-            value = _materialise(tensors[name])
-            payload, _ = encode_tensor(name, value, dtype)
+            array = _materialise(value)
+            payload, _ = encode_tensor(name, array, dtype)
             writer.write_tensor_data(payload)
-            del payload, value  # one tensor in memory at a time
+            del payload, array  # one tensor in memory at a time
     finally:
         writer.close()
 

@@ -1,16 +1,19 @@
-"""The MTP (multi-token prediction) block: its tensor names in both published GGUF
-layouts, its one-layer config, and its weights (docs/mtp.md).
+"""The MTP (multi-token prediction) block: its tensor names in the GGUF layouts that carry
+it, its one-layer config, its weights, and llama.cpp's MTP file (docs/mtp.md).
 
 Inside ds4ref every MTP tensor has antirez's name, `mtp.0.<suffix>`: the block's
 tensors keep their layer suffixes (`mtp.0.attn_q_a.weight`, ...) and the MTP's own
 are `mtp.0.{e_proj,h_proj,enorm,hnorm,norm,hc_head_fn,hc_head_base,hc_head_scale}.weight`.
-The two layouts a file may carry:
+The layouts a file may carry it in, each beside its model file (never inside it):
 
-* llama.cpp's, in the model file: block N = block_count - nextn_predict_layers holds
-  the block's tensors as `blk.N.<suffix>` and the MTP's own as `blk.N.nextn.<name>`
-  (`norm` is `nextn.shared_head_norm`; a fused `nextn.eh_proj` = [e_proj | h_proj]
-  is accepted too);
-* antirez's, a separate file of `mtp.0.*` tensors, given next to the model.
+* llama.cpp's MTP file (its converter's `--mtp`; what ds4ref writes): block N = block_count - 1
+  holds the block as `blk.N.<suffix>` and `blk.N.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`,
+  eh_proj being [e_proj | h_proj]; the MTP's own hc head sits at the root names
+  (`output_hc_*`), beside copies of the main model's `token_embd`, `output_norm` and `output`;
+* antirez's, a file of `mtp.0.*` tensors;
+* and, read for compatibility only, ds4ref's files from before it wrote llama.cpp's MTP file:
+  the block inside the model file as its last block, with `blk.N.nextn.<name>` for the MTP's
+  own tensors (NEXTN), which llama.cpp refuses (its tensor count does not match).
 
 The MTP runs as a one-layer model of its own (mtp_config): the official code builds
 it as layer n_layers, whose compress ratio (the published array's last entry) is 0,
@@ -20,25 +23,35 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from .config import ARCH, NEXTN_KEY, DS4Config
 from .quant_codes import QUANT_TYPES
-from .file import _INT_TYPES, MTPFile, _can_dequantise
-from .tensors import NEXTN_PROJ, layer_tensor_shapes
+from .file import _INT_TYPES, MTPFile, _can_dequantise, write_tensor_file
+from .tensors import NEXTN_PROJ, layer_tensor_shapes, tensor_shapes
 from .weights import Weights, WeightsError
 
 PREFIX = "mtp.0."
 OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
        "hc_head_fn.weight", "hc_head_base.weight", "hc_head_scale.weight")
-# llama.cpp's in-file names of the MTP's own tensors, after `blk.N.` (docs/mtp.md)
+E_PROJ, H_PROJ = PREFIX + "e_proj.weight", PREFIX + "h_proj.weight"
+# The main model's tensors that llama.cpp's MTP file carries too: its MTP graph embeds and
+# projects through the MTP model's own copies (src/models/deepseek4.cpp, graph_mtp)
+SHARED = ("token_embd.weight", "output_norm.weight", "output.weight")
+# llama.cpp's MTP file: the MTP's own tensors but e_proj / h_proj (fused into EH_PROJ), by the
+# name after `blk.N.` or, for the hc head, at the root
+LLAMA_OWN = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
+             "norm.weight": "nextn.shared_head_norm.weight"}
+LLAMA_ROOT = {"hc_head_fn.weight": "output_hc_fn.weight", "hc_head_base.weight": "output_hc_base.weight",
+              "hc_head_scale.weight": "output_hc_scale.weight"}
+EH_PROJ = NEXTN_PROJ[1]
+# ds4ref's former in-file names of the MTP's own tensors, after `blk.N.` (read, never written)
 NEXTN = {"e_proj.weight": "nextn.e_proj.weight", "h_proj.weight": "nextn.h_proj.weight",
          "enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
          "norm.weight": "nextn.shared_head_norm.weight", "hc_head_fn.weight": "nextn.hc_head_fn.weight",
          "hc_head_base.weight": "nextn.hc_head_base.weight", "hc_head_scale.weight": "nextn.hc_head_scale.weight"}
-FUSED = NEXTN_PROJ[1]
 
 
 class MTPError(WeightsError):
@@ -60,15 +73,26 @@ def mtp_tensor_shapes(mcfg: DS4Config) -> dict[str, tuple[int, ...]]:
     """`mtp.0.*` name -> NumPy shape, for the one-layer MTP config."""
     d, hc = mcfg.n_embd, mcfg.hc_mult
     out = {PREFIX + s: shape for s, shape in layer_tensor_shapes(mcfg, 0).items()}
-    out.update({PREFIX + "e_proj.weight": (d, d), PREFIX + "h_proj.weight": (d, d),
+    out.update({E_PROJ: (d, d), H_PROJ: (d, d),
                 PREFIX + "enorm.weight": (d,), PREFIX + "hnorm.weight": (d,), PREFIX + "norm.weight": (d,),
                 PREFIX + "hc_head_fn.weight": (hc, mcfg.hc_dim), PREFIX + "hc_head_base.weight": (hc,),
                 PREFIX + "hc_head_scale.weight": (1,)})
     return out
 
 
+def mtp_file_name(name: str, block: int) -> str:
+    """The name of an `mtp.0.*` tensor in llama.cpp's MTP file, the block being `block`
+    (e_proj and h_proj: the fused eh_proj they are halves of)."""
+    suffix = name[len(PREFIX):]
+    if name in (E_PROJ, H_PROJ):
+        return f"blk.{block}.{EH_PROJ}"
+    if suffix in LLAMA_ROOT:
+        return LLAMA_ROOT[suffix]
+    return f"blk.{block}.{LLAMA_OWN.get(suffix, suffix)}"
+
+
 def in_file_name(name: str, block: int) -> str:
-    """llama.cpp's in-file name of an `mtp.0.*` tensor when the MTP is block `block`."""
+    """ds4ref's former in-file name of an `mtp.0.*` tensor when the MTP is block `block`."""
     suffix = name[len(PREFIX):]
     return f"blk.{block}.{NEXTN.get(suffix, suffix)}"
 
@@ -92,7 +116,7 @@ class MTPWeights(Weights):
         """0 / 1 for e_proj / h_proj read from the fused matrix, else None."""
         if self.fused is None:
             return None
-        return {PREFIX + "e_proj.weight": 0, PREFIX + "h_proj.weight": 1}.get(name)
+        return {E_PROJ: 0, H_PROJ: 1}.get(name)
 
     def _load(self, name: str) -> np.ndarray:
         half = self._split(name)
@@ -114,6 +138,12 @@ class MTPWeights(Weights):
         nb = t.data.shape[-1] // 2  # whole blocks per half: the reader checked d is a block multiple
         return t.qtype.name, t.data[..., half * nb:(half + 1) * nb]
 
+    def stored_bytes(self) -> int:
+        """Bytes of the stored tensors this block reads (a memory plan's share)."""
+        read = {self.fused} if self.fused is not None else set()
+        read |= {theirs for ours, theirs in self.names.items() if self._split(ours) is None}
+        return sum(self.source.tensor(n).n_bytes for n in read)
+
     def with_dtype(self, dtype) -> "MTPWeights":
         return MTPWeights(self.config, self.source, self.names, self.fused, dtype, self._where)
 
@@ -121,7 +151,7 @@ class MTPWeights(Weights):
 def _check_shapes(mcfg: DS4Config, found: Mapping[str, tuple], names: Mapping[str, str], where: str,
                   fused: str | None) -> None:
     for ours, shape in mtp_tensor_shapes(mcfg).items():
-        if fused is not None and ours in (PREFIX + "e_proj.weight", PREFIX + "h_proj.weight"):
+        if fused is not None and ours in (E_PROJ, H_PROJ):
             continue
         theirs = names[ours]
         if theirs not in found:
@@ -131,6 +161,8 @@ def _check_shapes(mcfg: DS4Config, found: Mapping[str, tuple], names: Mapping[st
                            f"expected {tuple(shape)} for this model")
     if fused is not None:
         d = mcfg.n_embd
+        if fused not in found:
+            raise MTPError(f"{where}: the MTP block has no tensor {fused!r} (expected NumPy shape {(d, 2 * d)})")
         if tuple(found[fused]) != (d, 2 * d):
             raise MTPError(f"{where}: MTP tensor {fused!r} has NumPy shape {tuple(found[fused])}, "
                            f"expected {(d, 2 * d)} ([e_proj | h_proj])")
@@ -146,10 +178,24 @@ def _check_types(model_file, names: Mapping[str, str], where: str) -> None:
                            f"float type ds4ref can dequantise")
 
 
+def _layer_config(cfg: DS4Config, meta: Mapping[str, Any], block: int, where: str) -> DS4Config:
+    """mtp_config with the ratio and clamp a file's per-block arrays give block `block`."""
+    ratios = meta.get(f"{ARCH}.attention.compress_ratios", [])
+    clamps = meta.get(f"{ARCH}.swiglu_clamp_exp", [])
+    try:
+        return mtp_config(cfg, int(ratios[block]) if len(ratios) > block else 0,
+                          clamps[block] if len(clamps) > block else None)
+    except MTPError as exc:
+        raise MTPError(f"{where}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# the block inside a model file: ds4ref's files from before llama.cpp's MTP file
+# ---------------------------------------------------------------------------
 def in_file_mtp(model_file, dtype=np.float32, notes: list | None = None) -> MTPWeights | None:
-    """The MTP block of a model file in llama.cpp's layout, or None when it has none. A block
-    that does not fit is not an error here (the main model runs without it, as llama.cpp loads
-    such files): `notes` gets why; in_file_mtp_strict raises instead."""
+    """The MTP block a model file carries in ds4ref's former in-file layout, or None when it has
+    none. A block that does not fit is not an error here (the main model runs without it):
+    `notes` gets why; in_file_mtp_strict raises instead."""
     try:
         return in_file_mtp_strict(model_file, dtype)
     except MTPError as exc:
@@ -163,52 +209,141 @@ def in_file_mtp_strict(model_file, dtype=np.float32) -> MTPWeights | None:
     block = getattr(model_file, "mtp_block", None)
     if block is None:
         return None
-    cfg, meta = model_file.config, model_file.metadata
-    ratios = meta.get(f"{ARCH}.attention.compress_ratios", [])
-    clamps = meta.get(f"{ARCH}.swiglu_clamp_exp", [])
     where = f"{model_file.path} (MTP block {block})"
-    try:
-        mcfg = mtp_config(cfg, int(ratios[block]) if len(ratios) > block else 0,
-                          clamps[block] if len(clamps) > block else None)
-    except MTPError as exc:
-        raise MTPError(f"{where}: {exc}") from None
+    mcfg = _layer_config(model_file.config, model_file.metadata, block, where)
     names = {ours: in_file_name(ours, block) for ours in mtp_tensor_shapes(mcfg)}
     shapes = {n: t.shape for n, t in model_file.tensors.items()}
-    fused = f"blk.{block}.{FUSED}" if names[PREFIX + "e_proj.weight"] not in shapes else None
+    fused = f"blk.{block}.{EH_PROJ}" if names[E_PROJ] not in shapes else None
     _check_shapes(mcfg, shapes, names, where, fused)
     _check_types(model_file, names, where)
     return MTPWeights(mcfg, model_file, names, fused, dtype, where)
 
 
-def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> MTPWeights:
-    """antirez's separate MTP GGUF (`mtp.0.*` tensors) for a model of config `cfg`."""
-    mf = MTPFile(path)
-    where = mf.path
-    meta = mf.metadata
+# ---------------------------------------------------------------------------
+# an MTP file beside the model: llama.cpp's or antirez's
+# ---------------------------------------------------------------------------
+def mtp_file_block(meta: Mapping[str, Any], shapes) -> int | None:
+    """The MTP block of llama.cpp's MTP file, else None: its loader's probe, the nextn
+    projection of block block_count - nextn_predict_layers."""
+    nextn, blocks = meta.get(NEXTN_KEY, 0), meta.get(f"{ARCH}.block_count")
+    if not nextn or not isinstance(blocks, int):
+        return None
+    block = blocks - nextn
+    return block if f"blk.{block}.{EH_PROJ}" in shapes else None
+
+
+def _check_sizes(meta: Mapping[str, Any], cfg: DS4Config, where: str) -> None:
     for key in ("embedding_length", "attention.head_count", "attention.key_length", "expert_count"):
         full = f"{ARCH}.{key}"
         mine = cfg.to_metadata().get(full)
         if full in meta and mine is not None and meta[full] != mine:
             raise MTPError(f"{where}: {full} is {meta[full]} but the model's is {mine}: "
                            f"this MTP file belongs to another model")
-    clamps = meta.get(f"{ARCH}.swiglu_clamp_exp", [])
+
+
+def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> MTPWeights:
+    """The MTP block of a separate MTP GGUF for a model of config `cfg`: llama.cpp's MTP file
+    (its converter's `--mtp`, and ds4ref's) or antirez's (`mtp.0.*` tensors)."""
+    mf = MTPFile(path)
+    _check_sizes(mf.metadata, cfg, mf.path)
+    shapes = {n: t.shape for n, t in mf.tensors.items()}
+    block = mtp_file_block(mf.metadata, shapes)
+    if block is not None:
+        return _llama_mtp(mf, cfg, block, shapes, dtype)
+    if any(n.startswith(PREFIX) for n in mf.tensors):
+        return _antirez_mtp(mf, cfg, shapes, dtype)
+    raise MTPError(f"{mf.path}: not an MTP GGUF: neither llama.cpp's layout (nextn_predict_layers and "
+                   f"blk.N.{EH_PROJ}, N = block_count - nextn_predict_layers) nor antirez's (mtp.0.* tensors)")
+
+
+def _llama_mtp(mf, cfg: DS4Config, block: int, shapes, dtype) -> MTPWeights:
+    where = f"{mf.path} (MTP block {block})"
+    nextn = mf.metadata[NEXTN_KEY]
+    if nextn != 1:
+        raise MTPError(f"{where}: {NEXTN_KEY} is {nextn}; DS4 has one MTP block, ds4ref runs one")
+    if block != cfg.n_layer:
+        raise MTPError(f"{where}: the MTP block follows {block} layers, the model has {cfg.n_layer}: "
+                       f"this MTP file belongs to another model")
+    mcfg = _layer_config(cfg, mf.metadata, block, where)
+    names = {ours: mtp_file_name(ours, block) for ours in mtp_tensor_shapes(mcfg)}
+    fused = f"blk.{block}.{EH_PROJ}"
+    _check_shapes(mcfg, shapes, names, where, fused)
+    # ds4ref embeds and projects through the model's own token_embd / output (the official MTP
+    # shares them); llama.cpp through this file's copies, which must therefore be of its shapes
+    for name in SHARED:
+        want = tensor_shapes(cfg)[name]
+        if name in shapes and tuple(shapes[name]) != want:
+            raise MTPError(f"{where}: {name!r} has NumPy shape {tuple(shapes[name])}, the model's is {want}: "
+                           f"this MTP file belongs to another model")
+    _check_types(mf, names, where)
+    return MTPWeights(mcfg, mf, names, fused, dtype, where)
+
+
+def _antirez_mtp(mf, cfg: DS4Config, shapes, dtype) -> MTPWeights:
+    clamps = mf.metadata.get(f"{ARCH}.swiglu_clamp_exp", [])
     mcfg = mtp_config(cfg, 0, clamps[cfg.n_layer] if len(clamps) > cfg.n_layer else None)
     names = {ours: ours for ours in mtp_tensor_shapes(mcfg)}
-    if not any(n.startswith(PREFIX) for n in mf.tensors):
-        raise MTPError(f"{where}: no mtp.0.* tensors: not an MTP GGUF (antirez's layout)")
-    _check_shapes(mcfg, {n: t.shape for n, t in mf.tensors.items()}, names, where, None)
-    _check_types(mf, names, where)
-    return MTPWeights(mcfg, mf, names, None, dtype, where)
+    _check_shapes(mcfg, shapes, names, mf.path, None)
+    _check_types(mf, names, mf.path)
+    return MTPWeights(mcfg, mf, names, None, dtype, mf.path)
 
 
+# ---------------------------------------------------------------------------
+# writing llama.cpp's MTP file
+# ---------------------------------------------------------------------------
 def nextn_metadata(cfg: DS4Config, mcfg: DS4Config) -> dict:
-    """The metadata of a model file that carries the MTP as its last block (llama.cpp's layout):
-    block_count and the per-layer arrays count it, nextn_predict_layers says it is one."""
+    """The metadata that counts the MTP as the block after the model's layers (llama.cpp's MTP
+    file): block_count and the per-layer arrays count it, nextn_predict_layers says it is one."""
     return {f"{ARCH}.block_count": cfg.n_layer + 1, NEXTN_KEY: 1,
             f"{ARCH}.attention.compress_ratios": list(cfg.compress_ratios) + list(mcfg.compress_ratios),
             f"{ARCH}.swiglu_clamp_exp": list(cfg.swiglu_clamp) + list(mcfg.swiglu_clamp)}
 
 
-def to_in_file(tensors: Mapping[str, np.ndarray], block: int) -> dict:
-    """`mtp.0.*` tensors renamed to llama.cpp's in-file layout for block `block`."""
-    return {in_file_name(n, block): v for n, v in tensors.items()}
+class _Columns:
+    """[a | b] joined along the input dimension when the writer asks for its values, so a
+    converter's lazy tensors stay lazy until then."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+        self.shape = (a.shape[0], a.shape[1] + b.shape[1])
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate([np.asarray(self.a, np.float32), np.asarray(self.b, np.float32)], axis=1)
+        return out if dtype is None else out.astype(dtype)
+
+
+def write_mtp_gguf(path: str | os.PathLike, cfg: DS4Config, tensors: Mapping[str, Any], shared: Mapping[str, Any],
+                   tokenizer_meta: Mapping[str, Any] | None = None, dtypes: Mapping[str, str] | None = None,
+                   default_dtype: str = "f32", extra_meta: Mapping[str, Any] | None = None) -> None:
+    """Write the MTP block of a model of config `cfg` as llama.cpp's MTP file.
+
+    `tensors`: every `mtp.0.*` tensor (mtp_tensor_shapes) in NumPy shape; `shared`: the model's
+    SHARED tensors; `dtypes` by the same names. e_proj and h_proj are stored as one
+    eh_proj = [e_proj | h_proj] (e first, along the input dimension), so they take one type."""
+    mcfg = mtp_config(cfg)
+    want = {**mtp_tensor_shapes(mcfg), **{n: tensor_shapes(cfg)[n] for n in SHARED}}
+    given = {**tensors, **shared}
+    for name, shape in want.items():
+        if name not in given:
+            raise MTPError(f"write_mtp_gguf: missing tensor {name!r} (expected NumPy shape {shape})")
+        if tuple(given[name].shape) != tuple(shape):
+            raise MTPError(f"write_mtp_gguf: tensor {name!r} has NumPy shape {tuple(given[name].shape)}, "
+                           f"expected {tuple(shape)}")
+    extra = sorted(set(given) - set(want))
+    if extra:
+        raise MTPError(f"write_mtp_gguf: tensors that are not the MTP block's: {extra}")
+    dtypes = dict(dtypes or {})
+    e_type, h_type = (dtypes.get(n, default_dtype) for n in (E_PROJ, H_PROJ))
+    if e_type != h_type:
+        raise MTPError(f"write_mtp_gguf: e_proj ({e_type}) and h_proj ({h_type}) are stored as one eh_proj "
+                       f"and must have one type")
+    block = cfg.n_layer
+    out = {name: shared[name] for name in SHARED}
+    out.update({mtp_file_name(n, block): given[n] for n in mtp_tensor_shapes(mcfg) if n not in (E_PROJ, H_PROJ)})
+    out[f"blk.{block}.{EH_PROJ}"] = _Columns(given[E_PROJ], given[H_PROJ])
+    stored = {mtp_file_name(n, block) if n.startswith(PREFIX) else n: t for n, t in dtypes.items()}
+    meta = dict(cfg.to_metadata())
+    meta.update(tokenizer_meta or {})
+    meta.update(extra_meta or {})
+    meta.update(nextn_metadata(cfg, mcfg))
+    write_tensor_file(path, meta, out, stored, default_dtype)

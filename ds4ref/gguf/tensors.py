@@ -85,8 +85,8 @@ def is_int_tensor(name: str) -> bool:
     return name.endswith(INT_TENSORS)
 
 
-# The MTP block in llama.cpp's in-file layout (gguf.mtp, docs/mtp.md): block N holds its nextn
-# projection as separate e_proj / h_proj or as one fused [e_proj | h_proj].
+# An MTP block's nextn projection (gguf.mtp, docs/mtp.md): separate e_proj / h_proj (ds4ref's
+# former in-file layout) or one fused [e_proj | h_proj] (llama.cpp's).
 NEXTN_PROJ = ("nextn.e_proj.weight", "nextn.eh_proj.weight")
 
 

@@ -7,7 +7,11 @@ and clamping within a few hundred tokens. Weights are random but scaled so
 that activations stay O(1) through the layers and the logits are far from
 flat, which makes argmax comparisons between implementations meaningful.
 
-    python -m ds4ref.gguf.tiny --out model.gguf [--seed N] [--layers N] [--policy q2|q4|mxfp4]
+    python -m ds4ref.gguf.tiny --out model.gguf [--mtp-out mtp.gguf] [--seed N] [--layers N]
+                               [--policy q2|q4|mxfp4]
+
+The packaged model and its MTP block are
+`--out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf`.
 
 `--policy` writes the published files' type policy (spec §2): routed experts as
 IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
@@ -265,40 +269,44 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
 # files
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
-               dtypes: dict[str, str] | None = None, policy: str | None = None, mtp: bool | None = None) -> DS4Config:
+               dtypes: dict[str, str] | None = None, policy: str | None = None,
+               mtp: str | os.PathLike | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
-    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (default:
-    without a policy) adds a random MTP block as the last block (llama.cpp's layout, gguf.mtp),
-    which the main forward never reads; the policy files carry none."""
+    `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (a path,
+    not with a policy) writes a random MTP block there as llama.cpp's MTP file (gguf.mtp),
+    for ds4ref.load(path, mtp=...): the model file itself never carries one."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
     extra = {"ds4ref.tiny_seed": int(seed)}
     if policy is not None:
+        if mtp is not None:
+            raise ValueError("the policy files carry no MTP block: give no mtp path with a policy")
         config = config or policy_config()
         tensors, dtypes = policy_tensors(config, policy, seed)
         extra["ds4ref.tiny_policy"] = policy
     else:
         config = config or tiny_config()
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
-        if mtp is None or mtp:
-            mtp_tensors, mtp_dtypes, meta = random_mtp(config, seed)
-            tensors.update(mtp_tensors)
-            dtypes = {**dtypes, **mtp_dtypes} if dtypes else dtypes
-            extra.update(meta)
-    write_gguf(path, config, tensors, tokenizer_meta=tiny_tokenizer_meta(config.vocab_size),
-               dtypes=dtypes, extra_meta=extra)
+    tokenizer = tiny_tokenizer_meta(config.vocab_size)
+    write_gguf(path, config, tensors, tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+    if mtp is not None:
+        from .mtp import SHARED, write_mtp_gguf
+        mtp_tensors, mtp_dtypes = random_mtp(config, seed)
+        shared = {n: tensors[n] for n in SHARED}
+        stored = {**{n: dtypes[n] for n in SHARED if n in dtypes}, **mtp_dtypes} if dtypes else {}
+        write_mtp_gguf(mtp, config, mtp_tensors, shared, tokenizer, stored, extra_meta=extra)
     return config
 
 
 MTP_SEED_OFFSET = 1 << 20  # the MTP's generators come after every main tensor's (seed, index)
 
 
-def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str], dict]:
-    """(tensors in llama.cpp's in-file names, their stored types, the metadata that counts the
-    block) of a random MTP block for `config`, drawn like the main tensors but from generators
-    of their own, so the main tensors are the same with or without it."""
-    from .mtp import PREFIX, mtp_config, mtp_tensor_shapes, nextn_metadata, to_in_file
+def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors by their `mtp.0.*` names, their stored types) of a random MTP block for
+    `config`, drawn like the main tensors but from generators of their own, so the main
+    tensors are the same with or without it."""
+    from .mtp import PREFIX, mtp_config, mtp_tensor_shapes
     mcfg = mtp_config(config)
     tensors, dtypes = {}, {}
     for i, (name, shape) in enumerate(mtp_tensor_shapes(mcfg).items()):
@@ -307,14 +315,28 @@ def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str], 
         tensors[name] = _random_tensor(rng, mcfg, suffix, tuple(shape))
         if suffix in _DTYPE_BY_SUFFIX or suffix in ("e_proj.weight", "h_proj.weight", "hc_head_fn.weight"):
             dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix, "f16" if suffix == "hc_head_fn.weight" else "q8_0")
-    block = config.n_layer
-    return to_in_file(tensors, block), to_in_file(dtypes, block), nextn_metadata(config, mcfg)
+    return tensors, dtypes
 
 
 def default_model_path() -> Path:
     """Path of the packaged ds4-tiny.gguf."""
     ref = importlib.resources.files("ds4ref").joinpath("data", "ds4-tiny.gguf")
     return Path(str(ref))
+
+
+def default_mtp_path() -> Path:
+    """Path of the packaged tiny model's MTP block, llama.cpp's MTP file named as its
+    converter names one (`mtp-` before the model's name)."""
+    ref = importlib.resources.files("ds4ref").joinpath("data", "mtp-ds4-tiny.gguf")
+    return Path(str(ref))
+
+
+def packaged_mtp(model_path: str | os.PathLike) -> Path | None:
+    """The packaged MTP file when `model_path` is the packaged tiny model (which ships its MTP
+    block beside it, as llama.cpp's files do), else None."""
+    if Path(model_path).resolve() == default_model_path().resolve():
+        return default_mtp_path()
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,12 +347,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="number of layers (Flash ratio pattern)")
     ap.add_argument("--ratios", default=None, help="comma-separated compress ratios, e.g. 0,0,4,128")
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
-    ap.add_argument("--no-mtp", action="store_true", help="leave out the random MTP block (last block)")
+    ap.add_argument("--mtp-out", default=None, metavar="FILE",
+                    help="also write a random MTP block to FILE, as llama.cpp's MTP file (not with --policy)")
     ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
                     help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
     args = ap.parse_args(argv)
     if args.policy and args.all_f32:
         ap.error("--policy and --all-f32 exclude each other")
+    if args.policy and args.mtp_out:
+        ap.error("--policy files carry no MTP block: give no --mtp-out")
     overrides = {}
     if args.ratios:
         ratios = [int(r) for r in args.ratios.split(",")]
@@ -339,9 +364,11 @@ def main(argv: list[str] | None = None) -> None:
         overrides["n_layer"] = args.layers
     cfg = (policy_config if args.policy else tiny_config)(**overrides)
     write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy,
-               mtp=not args.no_mtp)
+               mtp=args.mtp_out)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
+    if args.mtp_out:
+        print(f"wrote {args.mtp_out}: its MTP block, {os.path.getsize(args.mtp_out)} bytes")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def mtp_slot_bytes(config: DS4Config, storage: str, page_tokens: int = PAGE_TOKE
 
 def weight_bytes(model_file) -> int:
     """Stored bytes of the tensors the forward pass reads, from the GGUF directory (no data read),
-    with the MTP block's when the file carries one (llama.cpp's layout, gguf.mtp)."""
+    with the MTP block's when the file carries one (ds4ref's former in-file layout, gguf.mtp)."""
     from ..gguf.tensors import tensor_shapes
     names = set(tensor_shapes(model_file.config))
     block = getattr(model_file, "mtp_block", None)

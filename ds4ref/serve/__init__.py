@@ -21,7 +21,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 speculative_tokens: int = 0):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
     max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
-    prefix_cache the SeqEngine's; mtp: antirez's separate MTP GGUF for the model (ds4ref.load's `mtp`);
+    prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model (ds4ref.load's `mtp`);
     speculative_tokens: drafts per round (0: off), from the model's MTP block."""
     from ..model import from_file
     from ..paging.plan import summary
@@ -38,7 +38,7 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     context = plan.context
     if speculative_tokens and model.mtp is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
-                         f"none; give antirez's MTP file with --mtp FILE")
+                         f"none; give its MTP file with --mtp FILE")
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
                        speculative_tokens=speculative_tokens)
@@ -73,7 +73,7 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     from ..backend import PREFILL_ROWS
     from ..paging.layout import kv_storage
     from ..paging.plan import make_plan, weight_bytes
-    from ..gguf.tiny import default_model_path
+    from ..gguf.tiny import default_model_path, packaged_mtp
 
     if not 1 <= max_concurrency <= DECODE_LANES:
         raise ValueError(f"--max-concurrency must be in 1..{DECODE_LANES}, got {max_concurrency}")
@@ -92,9 +92,11 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     # an MTP block (in the file, or --mtp's) adds its weights and a window ring a lane (the numpy
     # backend keeps those rings in the working float)
     weights = weight_bytes(model_file)
-    if mtp is not None:
-        from ..gguf.file import MTPFile
-        weights += sum(t.n_bytes for t in MTPFile(mtp).tensors.values())
+    if mtp is None:
+        mtp = packaged_mtp(model_file.path)
+    if mtp is not None:  # the tensors it reads, not the copies of the model's llama.cpp's MTP file carries
+        from ..gguf.mtp import separate_mtp
+        weights += separate_mtp(mtp, model_file.config).stored_bytes()
     has_mtp = mtp is not None or model_file.mtp_block is not None
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,

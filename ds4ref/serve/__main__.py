@@ -68,8 +68,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
     p.add_argument("--mtp", default=None, metavar="FILE",
-                   help="separate MTP GGUF (antirez's mtp.0.* layout) for --model; a model file that "
-                        "carries its MTP block (llama.cpp's layout) needs none")
+                   help="the MTP block of --model, a separate GGUF: llama.cpp's MTP file (its converter's "
+                        "--mtp, ds4ref's) or antirez's (mtp.0.*); the embedded model's ships beside it")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy",
                    help="numpy: the exact reference; hip: the GPU fast path")
     p.add_argument("--numerics", choices=("official", "plain"), default="official",
