@@ -88,8 +88,13 @@ def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics
 
 def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32,
               mtp: str | os.PathLike | None = None) -> DS4Model:
-    """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
+    """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory). Weights
+    holding a NaN or an infinity are refused here, before any backend exists (gguf.finite)."""
+    from .gguf.file import MTPFile
     from .gguf.mtp import MTPError, in_file_mtp, separate_mtp
+    model_file.check_finite()
+    if mtp is not None:
+        MTPFile(mtp).check_finite()
     notes = list(model_file.notes)
     mtp_weights = in_file_mtp(model_file, dtype, notes)
     if mtp is not None:
