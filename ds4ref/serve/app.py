@@ -257,7 +257,8 @@ class Generation:
     async def first_events(self, http: HTTPRequest) -> None:
         """Wait for the first events before a stream's response starts: a request the shutdown
         aborts before then (still queued, or prefilling) gets its status, 503 with Retry-After,
-        not a 200 stream that carries the error. A client that leaves meanwhile is cancelled."""
+        and one the engine ends with an error its 500, not a 200 stream that carries the error.
+        A client that leaves meanwhile is cancelled."""
         work = asyncio.ensure_future(self._stream.next_events())
         watch = asyncio.ensure_future(_until_disconnect(http))
         try:
@@ -266,6 +267,11 @@ class Generation:
                 work.cancel()
                 raise APIError(499, "client disconnected", None, "client_closed")
             self._first = work.result()
+            failed = next((ev for ev in self._first if isinstance(ev, FinishEvent) and ev.reason == "error"), None)
+            if failed is not None and not any(isinstance(ev, TokenEvent) for ev in self._first):
+                # ended before its first token: the status and body of a request that never streamed
+                self._engine_done = True
+                raise engine_failure(failed)
         except ServerShuttingDown as e:
             self.close()
             raise shutting_down(e) from None
@@ -318,7 +324,7 @@ class Generation:
                     self.cached_tokens, self.drafts = ev.cached_tokens, (ev.draft_tokens, ev.accepted_drafts)
                     if ev.reason == "error":
                         self.finish_reason = "error"
-                        raise APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
+                        raise engine_failure(ev)
                     if ev.reason == "cancelled":
                         self.finish_reason = "error"
                         raise APIError(500, "the request was cancelled by the server", None, "cancelled",
@@ -500,6 +506,14 @@ def shutting_down(exc: ServerShuttingDown) -> APIError:
     """A request the shutdown ended: retryable, on another server or this one restarted."""
     return APIError(503, f"generation aborted: {exc}", None, "server_shutting_down", "server_error",
                     {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def engine_failure(ev: FinishEvent) -> APIError:
+    """A request the engine ended with an error: its own failure by its code (non_finite_values:
+    its values overflowed), else the pass it ran in failed."""
+    if ev.error_code:
+        return APIError(500, ev.message, None, ev.error_code, "server_error")
+    return APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
 
 
 def internal_error(exc: BaseException) -> APIError:
