@@ -30,7 +30,8 @@ from .chat import DSML, ChatTemplateError, encode_chat, encode_prompt, thinking_
 from .protocol import U64, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .runner import Runner, ServerShuttingDown, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
-from .structured import JSONConstraint, StructuredOutputError, structured_output
+from .structured import GrammarConstraint, StructuredOutputError, structured_output
+from .tool_grammar import forced_tool_calls
 from .tools import ToolCall, ToolCallStream
 
 log = logging.getLogger("ds4ref.serve")
@@ -180,16 +181,23 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
-                       ) -> tuple[list[int], bool, Optional[JSONConstraint]]:
-    """A chat request's prompt ids, whether it thinks, and its response_format constraint."""
+                       ) -> tuple[list[int], bool, Optional[GrammarConstraint]]:
+    """A chat request's prompt ids, whether it thinks, and its constraint: response_format's,
+    or a forced tool_choice's."""
     thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
                                   body.thinking.model_dump() if body.thinking else None)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools_for_prompt()
+    if body.forces_tool_call() and body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "a forced tool_choice makes the answer a tool call: response_format cannot "
+                            "constrain it too", "tool_choice", "invalid_value")
     try:
         constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
+        constraint = constraint or await asyncio.to_thread(  # a large tool list takes a while to compile
+            forced_tool_calls, state.tokenizer, tools, body.tool_choice, body.parallel_tool_calls is not False,
+            thinking)
     except StructuredOutputError as e:
-        raise APIError(400, str(e), e.param, "invalid_response_format") from None
+        raise APIError(400, str(e), e.param, e.code) from None
     n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
     ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
                                               reasoning_effort=body.reasoning_effort, response_format=schema),
