@@ -31,17 +31,21 @@ BAD = [0, 30, POISON, 31, 32]  # POISON mid-prompt: the request fails before its
 NEW = 10
 
 
-@pytest.fixture(scope="module")
-def overflow_model(tmp_path_factory) -> str:
+def write_overflow_model(path) -> str:
+    """The embedded tiny model's weights (without its MTP block), POISON's embedding row 3e38."""
     cfg = tiny_config()
     tensors = random_tensors(cfg, 0)
     embedding = tensors["token_embd.weight"].copy()
     embedding[POISON] = 3e38
     tensors["token_embd.weight"] = embedding
-    path = tmp_path_factory.mktemp("overflow") / "overflow.gguf"
     write_gguf(path, cfg, tensors, tokenizer_meta=tiny_tokenizer_meta(cfg.vocab_size),
                dtypes={**tiny_dtypes(cfg), "token_embd.weight": "f32"})  # f16 cannot hold 3e38
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def overflow_model(tmp_path_factory) -> str:
+    return write_overflow_model(tmp_path_factory.mktemp("overflow") / "overflow.gguf")
 
 
 def greedy(prompt, **kw) -> Request:
