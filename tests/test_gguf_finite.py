@@ -85,23 +85,26 @@ def damaged_copy(tmp_path, name: str, scale_value) -> str:
     return str(dst)
 
 
-def test_an_all_nan_output_weight_is_refused_at_load(tmp_path):
-    path = damaged_copy(tmp_path, "output.weight", np.nan)
-    assert np.isnan(open_gguf(path).read("output.weight")).all()  # the file opens: its header is sound
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # gguf-py decoding inf * 0 codes
+def test_an_infinite_block_scale_is_refused_at_load(tmp_path):
+    path = damaged_copy(tmp_path, "blk.3.attn_kv.weight", np.inf)
+    assert np.isinf(open_gguf(path).read("blk.3.attn_kv.weight")).any()  # the file opens: its header is sound
     with pytest.raises(GGUFError) as err:
         ds4ref.load(path)
-    assert str(err.value) == (f"{path}: tensor 'output.weight' holds a Q8_0 block scale d = nan (row [0], block 0): "
-                              f"its weights are not finite (a damaged or badly converted file)")
+    assert str(err.value) == (f"{path}: tensor 'blk.3.attn_kv.weight' holds a Q8_0 block scale d = inf (row [0], "
+                              f"block 0): its weights are not finite (a damaged or badly converted file)")
 
 
 @pytest.mark.parametrize("backend", ["numpy", "hip"])
-def test_serve_refuses_it_in_one_line_before_any_backend(tmp_path, backend):
-    """Both backends: the check runs before a backend is made, so `--backend hip` gets the same
-    line with or without a GPU (without one it would otherwise say there is no GPU)."""
-    path = damaged_copy(tmp_path, "blk.3.attn_kv.weight", np.inf)
+def test_serve_refuses_an_all_nan_output_weight_in_one_line_before_any_backend(tmp_path, backend):
+    """The held-out bad file. Both backends: the check runs before a backend is made, so
+    `--backend hip` gets the same line with or without a GPU (without one it would otherwise
+    say there is no GPU)."""
+    path = damaged_copy(tmp_path, "output.weight", np.nan)
+    assert np.isnan(open_gguf(path).read("output.weight")).all()
     p = subprocess.run([sys.executable, "-m", "ds4ref.serve", "--model", path, "--backend", backend, "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == [
-        f"ds4ref.serve: error: {path}: tensor 'blk.3.attn_kv.weight' holds a Q8_0 block scale d = inf "
-        f"(row [0], block 0): its weights are not finite (a damaged or badly converted file)"]
+        f"ds4ref.serve: error: {path}: tensor 'output.weight' holds a Q8_0 block scale d = nan (row [0], block 0): "
+        f"its weights are not finite (a damaged or badly converted file)"]
