@@ -61,14 +61,14 @@ def forced_poison() -> Request:
 @pytest.mark.parametrize("numerics", ["official", "plain"])
 def test_the_overflowing_request_fails_and_no_other_is_touched(overflow_model, numerics):
     model = ds4ref.load(overflow_model, numerics=numerics)
-    solo = Engine(model, max_concurrency=4).run([greedy(A), greedy(B)])
+    without = Engine(model, max_concurrency=4).run([greedy(A), greedy(B)])
     eng = Engine(model, max_concurrency=4)
     # A, BAD, the forced one and B share their passes from the first; a later request takes a freed lane
     reqs = [greedy(A), greedy(BAD), forced_poison(), greedy(B), greedy(A)]
     out = eng.run(reqs, arrivals={4: 6})
-    assert out[0] == solo[0] and out[3] == solo[1] and out[4] == solo[0]
+    assert out[0] == without[0] and out[3] == without[1] and out[4] == without[0]
     assert [f.reason for f in eng.finishes] == ["length", "error", "error", "length", "length"]
-    for f, tokens in ((eng.finishes[1], []), (eng.finishes[2], [POISON])):
+    for f in eng.finishes[1:3]:
         assert f.error_code == NON_FINITE_VALUES and "NaN or an infinity" in f.message
     assert out[1] == [] and out[2] == [POISON]  # the forced token came out before its row overflowed
     stats = eng.seq_engine.stats()
