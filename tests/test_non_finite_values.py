@@ -6,13 +6,15 @@ request that feeds POISON computes NaN from there on; the others must not notice
 tokens are bitwise those of a run without it, its lane and pages are freed, nothing of it is
 cached, and later requests are served as before. Both numerics of the NumPy backend are run:
 official numerics meet the NaN when writing a compact KV row (whose grid has none), plain
-numerics in the logits. The HIP backend's side is tests/test_hip_program.py (its argmax
-kernel's answer for such a row, on the recorded runtime) and tests/gpu/test_serve_hip.py.
+numerics in the logits. The HIP backend's host side runs here too, over a stand-in for the
+device (serve_helpers.stand_in_hip_state); its argmax kernel's answer for such a row is
+tests/test_hip_program.py (recorded) and tests/gpu/test_serve_hip.py (on the GPU).
 """
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import openai
 import pytest
 
@@ -22,7 +24,7 @@ from ds4ref.gguf.tiny import random_tensors, tiny_config, tiny_dtypes
 from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
 from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler.request import NON_FINITE_VALUES, Request, Sampling
-from serve_helpers import LiveServer
+from serve_helpers import LiveServer, stand_in_hip_state
 
 POISON = 300
 A, B, C = [0, 10, 11, 12, 13], [0, 20, 21, 22], [0, 40, 41]
@@ -142,3 +144,40 @@ def test_a_stream_ends_with_the_error_event_after_the_tokens_it_had(server):
     with pytest.raises(openai.InternalServerError) as err:
         list(client.completions.create(model="ds4-tiny", prompt=BAD, max_tokens=NEW, stream=True))
     assert err.value.body["code"] == NON_FINITE_VALUES
+
+
+# ---- the HIP backend's host side, over a stand-in for the device ----------------------------------
+
+def stand_in_logits(token: int, position: int):
+    """The stand-in device's answer for a row: fixed noise per (token, position), NaN for a row
+    that feeds POISON (the device's argmax then answers NON_FINITE_ROW for it)."""
+    if token == POISON:
+        return np.full(512, np.nan, np.float32)
+    return (3 * np.random.default_rng([token, position]).standard_normal(512)).astype(np.float32)
+
+
+def test_the_hip_backend_ends_the_slot_its_argmax_finds_not_finite():
+    """Among the lanes of shared passes, the head row the kernel answers NON_FINITE_ROW for
+    ends its own request (before its first token, or after the tokens it had), and the others
+    get what they get without it."""
+    bad_last = [0, 30, 31, POISON]  # POISON feeds the emitting row: no token before the error
+    with LiveServer(state=stand_in_hip_state(stand_in_logits, max_concurrency=4, max_context=256)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        without = [completion(client, p).choices[0].text for p in (A, B)]
+
+        async def together():
+            aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            bodies = [dict(prompt=A), dict(prompt=bad_last), dict(prompt=C, logit_bias={str(POISON): 100}),
+                      dict(prompt=B)]
+            return await asyncio.gather(*(aclient.completions.create(
+                model="ds4-tiny", max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}, **body)
+                for body in bodies), return_exceptions=True)
+
+        a, bad, forced, b = asyncio.run(together())
+        for failed in (bad, forced):
+            assert isinstance(failed, openai.InternalServerError) and failed.body["code"] == NON_FINITE_VALUES
+        assert [a.choices[0].text, b.choices[0].text] == without
+        assert server.wait_idle(30)
+        stats = server.runner.stats
+        assert stats["live"] == 0 and stats["pages_used"] == stats["prefix_cached_pages"]
+        assert completion(client, A).choices[0].text == without[0]

@@ -4,7 +4,9 @@ The grammar (serve/tool_grammar.py) is checked against the chat encoder's own re
 calls: every call the encoder writes for arguments that follow the schema is a path through
 it, to the end of the block and nothing after; arguments that break the schema are not. Then
 the embedded tiny model, which writes nonsense when free, answers through the openai client
-with calls whose arguments follow their schemas, streamed and not.
+with calls whose arguments follow their schemas, streamed and not: on the NumPy backend, and on
+the HIP backend's host side over a stand-in for the device (serve_helpers.stand_in_hip_state;
+the GPU's own run is tests/gpu/test_serve_hip.py).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import ds4ref
 from ds4ref.serve.chat import DSML, render_tool_calls
 from ds4ref.serve.structured import _ll_tokenizer
 from ds4ref.serve.tool_grammar import ToolChoiceError, dsml_grammar
-from serve_helpers import LiveServer
+from serve_helpers import LiveServer, stand_in_hip_state
 
 TOK = ds4ref.load().tokenizer
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -184,6 +186,31 @@ def test_a_named_function_is_the_one_called_streamed_and_not(server, name):
     whole = calls_of(ask(server, choice))
     assert [n for n, _ in whole] == [name]
     assert calls_of(streamed(server, choice)) == whole
+
+
+def stand_in_logits(token: int, position: int):
+    """What the stand-in device answers for a row: fixed noise per (token, position)."""
+    return (3 * np.random.default_rng([token, position]).standard_normal(TOK.vocab_size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def hip_server():
+    with LiveServer(state=stand_in_hip_state(stand_in_logits, max_context=2048)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("tool_choice, extra", [
+    ("required", {"logit_bias": CLOSE_SOONER}), ("required", {"parallel_tool_calls": False}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {}),
+    ({"type": "function", "function": {"name": "get_time"}}, {})])
+def test_the_hip_backends_host_side_serves_forced_calls_streamed_and_not(hip_server, tool_choice, extra):
+    """The constraint needs each row's logits: the HIP backend fetches them for its constrained
+    rows, head row by head row, and the answers are calls that follow their schemas."""
+    whole = calls_of(ask(hip_server, tool_choice, **extra))
+    assert whole and (len(whole) == 1 if "parallel_tool_calls" in extra or "function" in tool_choice else True)
+    if isinstance(tool_choice, dict):
+        assert [n for n, _ in whole] == [tool_choice["function"]["name"]]
+    assert calls_of(streamed(hip_server, tool_choice, **extra)) == whole
 
 
 @pytest.mark.parametrize("body, param, words", [
