@@ -97,9 +97,14 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """Per planned row (in plan order, padding excluded)."""
+    """Per planned row (in plan order, padding excluded), and the slots whose rows went wrong."""
     logits: list[np.ndarray | None]  # vocab-sized logits where wanted, else None
     argmax: np.ndarray               # int32[n_rows]; lower index wins ties; -1 where the row does not emit
+    # Slots whose rows of this pass computed a NaN or an infinity (finite weights can still
+    # overflow): an emitting row's logits, or a row of state the backend's storage cannot hold.
+    # Their logits and argmax mean nothing; every other slot's results are as if they were
+    # alone, since no row's arithmetic reads another slot's values.
+    non_finite: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,8 @@ class Backend(Protocol):
         """Physical page ids holding the slot's logical pages 0, 1, 2, ..."""
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Run one gathered pass."""
+        """Run one gathered pass. A slot whose values stop being finite is reported in
+        StepResult.non_finite, never raised: the pass goes on for the other slots."""
 
     # The prefix cache (paging/prefix.py) needs these three; a backend without them serves
     # with the cache off.

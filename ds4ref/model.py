@@ -89,14 +89,18 @@ def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics
 
 def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32,
               mtp: str | os.PathLike | None = None) -> DS4Model:
-    """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory)."""
+    """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory). Weights
+    holding a NaN or an infinity are refused here, before any backend exists (gguf.finite)."""
+    from .gguf.file import MTPFile
     from .gguf.mtp import MTPError, in_file_mtp, separate_mtp
     from .gguf.tiny import packaged_mtp
+    model_file.check_finite()
     notes = list(model_file.notes)
     mtp_weights = in_file_mtp(model_file, dtype, notes)
     if mtp is None:
         mtp = packaged_mtp(model_file.path)
     if mtp is not None:
+        MTPFile(mtp).check_finite()
         if model_file.mtp_block is not None:
             raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "
                            f"give no separate MTP file ({os.fspath(mtp)})")

@@ -111,3 +111,75 @@ def after_prompt(tokenizer, script):
         k = len(history) - start
         return script[k] if k < len(script) else tokenizer.eos_id
     return next_token
+
+
+def stand_in_hip_state(logits_of, max_concurrency: int = 2, max_context: int = 1024):
+    """A server whose backend is the HIP backend's host side (HipBackend: lanes, buckets, the
+    head rows' argmax and logits fetched for the right rows) on the recorded runtime of
+    tests/test_hip_program.py, which checks every launch and runs nothing. What the device
+    would compute comes from a stand-in: an emitting row's logits are `logits_of(token, position)`
+    of the token it feeds, and its argmax the kernel's (ops.NON_FINITE_ROW for a row holding a
+    NaN or an infinity)."""
+    import numpy as np
+
+    import ds4ref
+    from ds4ref.hip import ops as K
+    from ds4ref.hip.backend import HipBackend
+    from ds4ref.hip.buffers import DeviceBuffer
+    from ds4ref.hip.device_state import LANE_FIELDS
+    from ds4ref.scheduler.scheduler import Scheduler
+    from ds4ref.scheduler.seq_engine import SeqEngine
+    from ds4ref.serve.app import ServerState
+    from ds4ref.serve.metrics import Metrics
+    from ds4ref.serve.runner import Runner
+    from test_hip_program import RecordingRuntime
+
+    token_at, position_at, head_source = (LANE_FIELDS.index(f) for f in ("tok", "pos", "hsrc"))
+
+    class StandInDevice(RecordingRuntime):
+        def __init__(self):
+            super().__init__()
+            self.next_address = 1 << 20  # distinct addresses, so a view tells which buffer it is of
+            self.backend, self.lanes = None, None
+
+        def malloc(self, n):
+            self.allocated += n
+            buf = DeviceBuffer(self, self.next_address, n)
+            self.next_address += -(-n // 256) * 256 + 256
+            return buf
+
+        def free(self, buf):
+            pass
+
+        def h2d(self, buf, arr):
+            super().h2d(buf, arr)
+            if self.backend is not None and buf is self.backend.state.lanes:
+                self.lanes = np.array(arr).reshape(-1, self.backend.state.n_lanes)
+
+        def head_logits(self, e: int):
+            lane = self.lanes[head_source, e]
+            return logits_of(int(self.lanes[token_at, lane]), int(self.lanes[position_at, lane]))
+
+        def download(self, buf, shape, dtype):
+            b = self.backend
+            if b is None:
+                return super().download(buf, shape, dtype)
+            if buf is b._ws["amax"]:
+                out = np.zeros(shape, np.int32)
+                for e in range(int(np.sum(self.lanes[head_source] >= 0))):
+                    lg = self.head_logits(e)
+                    out[e] = int(np.argmax(lg)) if np.isfinite(lg).all() else K.NON_FINITE_ROW
+                return out
+            logits, V = b._ws["logits"], b.cfg.vocab_size
+            if logits.ptr <= buf.ptr < logits.ptr + logits.nbytes:
+                return self.head_logits((buf.ptr - logits.ptr) // (4 * V)).astype(dtype).reshape(shape)
+            return super().download(buf, shape, dtype)
+
+    model = ds4ref.load()
+    rt = StandInDevice()
+    backend = HipBackend(model.reference, runtime=rt)
+    engine = SeqEngine(backend, model.config, max_concurrency=max_concurrency, max_context=max_context)
+    rt.backend = backend  # configured: its lane and head buffers are the ones the passes use
+    runner = Runner(Scheduler(engine), metrics=Metrics())
+    return ServerState(runner=runner, tokenizer=model.tokenizer, model_name="ds4-tiny", max_context=max_context,
+                       vocab_size=model.config.vocab_size)

@@ -217,3 +217,18 @@ def test_random_policy_mtp_block_records_beside_its_model(rt, numerics):  # noqa
     for program in b.mtp.programs.values():
         for kernel, _grid, _block, args, _shared in program.ops:
             kernel.signature.check(args)
+
+
+def test_a_draft_from_logits_that_are_not_finite_is_a_valid_token(model, rt):
+    """An MTP row whose logits overflowed (ds4_argmax: NON_FINITE_ROW) still drafts a token of
+    the vocabulary: drafts are only ever checked by the verifying pass, so any valid one will do."""
+    from ds4ref.hip import ops as K
+    b = backend_with_mtp(model, rt)
+    b.reset_slot(0)
+    b.set_block_table(0, [0])
+    b.step(StepPlan.from_rows([Row(0, 0, 5)], b.max_pass_rows))
+    recorded = rt.download
+    rt.download = lambda buf, shape, dtype: (np.full(shape, K.NON_FINITE_ROW, dtype) if buf is b._ws["amax"]
+                                             else recorded(buf, shape, dtype))
+    (drafts,) = b.draft([DraftRequest(0, (0,), (7,), 2)])
+    assert drafts.tolist() == [0, 0] and drafts.dtype == np.int32

@@ -479,3 +479,35 @@ def test_the_hc_finish_adds_the_split_projection_itself(numerics):
             assert split[0].name.endswith("_ks") and split[3][2] is backend._ws["ksplit"]
             part, nsplit = finish[3][14], int(finish[3][15])
             assert part is backend._ws["ksplit"] and nsplit == split[1][2] == w.cols // 512
+
+
+def test_a_row_the_argmax_kernel_finds_not_finite_ends_only_its_slot(rt):
+    """ds4_argmax answers ops.NON_FINITE_ROW for a row holding a NaN or an infinity: step()
+    reports that row's slot in StepResult.non_finite, fetches none of its logits, and hands the
+    other rows their argmax and logits as before. (The kernel's own answer on such rows, and a
+    whole server, run on the GPU: tests/gpu/test_serve_hip.py.)"""
+    from ds4ref import load
+    from ds4ref.backend import Row, StepPlan
+    backend = HipBackend(load(numerics="official").reference, runtime=rt)
+    backend.configure(4, 16)
+    for s in range(3):
+        backend.reset_slot(s)
+        backend.set_block_table(s, [s])
+    amax_buf, recorded = backend._ws["amax"], rt.download
+    fetched = []
+
+    def download(buf, shape, dtype):
+        out = recorded(buf, shape, dtype)  # head row e reads e
+        if buf is amax_buf:
+            out[1] = K.NON_FINITE_ROW
+        else:
+            fetched.append(shape)
+        return out
+
+    rt.download = download
+    res = backend.step(StepPlan.from_rows([Row(0, 0, 5), Row(1, 0, 6), Row(2, 0, 7, want_logits=False)],
+                                          backend.max_pass_rows))
+    assert res.non_finite == {1}
+    assert res.argmax.tolist() == [0, -1, 2] and res.logits[1] is None and res.logits[0] is not None
+    assert fetched == [(backend.cfg.vocab_size,)]  # slot 0's logits only: slot 2 wanted none
+    assert backend.state.next_pos[:3].tolist() == [1, 1, 1]  # its rows ran: retire resets the slot

@@ -84,7 +84,7 @@ def test_metrics_count_stop_strings_as_stop_and_errors_by_status(locked):
     ({"prompt": "x", "n": 2}, "n", "only n=1 is supported"),
     ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, "audio", "audio is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "'auto' and 'none'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store", "store is not supported"),
     ({"prompt": [5] * 300, "max_tokens": 1}, "prompt", "300 tokens; the context limit is 256 tokens"),
     ({"prompt": [5] * 255, "max_tokens": 2}, "max_tokens", "the prompt's 255 tokens"),

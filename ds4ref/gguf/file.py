@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -25,6 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
+from .finite import non_finite
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import has_in_file_mtp_block, is_int_tensor, tensor_shapes
 from .quant_codes import QUANT_TYPES
@@ -298,6 +300,20 @@ class GGUFTensorFile:
             return self.tensors[name]
         except KeyError:
             raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+
+    def check_finite(self) -> None:
+        """Refuse, naming the tensor, a file whose weights hold a NaN or an infinity, by the
+        cheap check of gguf.finite (float tensors' values, block types' scales): a model
+        that computes with them answers NaN, or dies mid-pass."""
+        tensors = list(self.tensors.values())
+        # NumPy releases the GIL in these scans, and one thread reads memory far slower than the
+        # machine can: Flash's 80 GiB take seconds this way. The first bad tensor in file order is named.
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            for t, where in zip(tensors, pool.map(lambda t: non_finite(t.qtype, t.shape, t.data), tensors)):
+                if where is not None:
+                    pool.shutdown(cancel_futures=True)
+                    raise GGUFError(f"{self.path}: tensor {t.name!r} holds {where}: its weights are not finite "
+                                    f"(a damaged or badly converted file)")
 
     def read(self, name: str) -> np.ndarray:
         """The whole tensor dequantised to float32 (int32 for integer tensors)."""

@@ -286,11 +286,15 @@ class HipBackend:
         V = self.cfg.vocab_size
         for r in rows:
             st.next_pos[r.slot] += 1
+        non_finite = set()
         for e, i in enumerate(emitting):
+            if amax[e] == K.NON_FINITE_ROW:  # its request ends (StepResult.non_finite): nothing to fetch
+                non_finite.add(rows[i].slot)
+                continue
             argmax[i] = amax[e]
             if rows[i].want_logits:
                 logits[i] = self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
-        return StepResult(logits, argmax)
+        return StepResult(logits, argmax, frozenset(non_finite))
 
     def bucket(self, n_rows: int) -> int:
         """The smallest capacity bucket that holds n_rows rows."""
@@ -351,6 +355,9 @@ class HipBackend:
         self.rt.synchronize()
         n, V = len(p.owner), self.cfg.vocab_size
         amax = self.rt.download(self._ws["amax"], (max(n, 1),), I32)
+        # MTP logits that overflowed still make a draft, a valid token the verifying pass refuses
+        # unless the model chooses it too: drafts never change the output
+        amax = np.where(amax == K.NON_FINITE_ROW, 0, amax).astype(I32)
         rows = [self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
                 for e in range(n)] if want_logits else []
         return amax, rows

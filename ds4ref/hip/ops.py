@@ -879,12 +879,15 @@ def routed_experts(w, wtype: str, x, ids, rt=None, rows_per_warp: int | None = N
         return s.get(y, (P, kk, N))[:L]
 
 
+NON_FINITE_ROW = -2  # ds4_argmax's answer for a row holding a NaN or an infinity (DS4_NON_FINITE_ROW)
+
+
 def launch_argmax(rt, x: DeviceBuffer, out: DeviceBuffer, L: int, V: int, lane_slot=None) -> None:
     rt.launch(kernel(rt, "moe", "ds4_argmax"), (max(L, 1),), (1024,), (x, I32(V), out, lane_slot))
 
 
 def argmax(logits, rt=None):
-    """(L, V) -> (L,) int32, lower index wins ties."""
+    """(L, V) -> (L,) int32, lower index wins ties; NON_FINITE_ROW for a row with a NaN or an infinity."""
     rt = _rt(rt)
     x = _f32(logits)
     squeeze = x.ndim == 1

@@ -33,7 +33,7 @@ class PagedSeqView:
 
     def put_raw(self, il: int, pos: int, row: np.ndarray) -> None:
         ring = self.b.rings[self.slot, il]
-        ring[pos % ring.shape[0]] = self.b.encode(ATTN, row)
+        ring[pos % ring.shape[0]] = self.b.encode(ATTN, row, self.slot)
 
     def raw_rows(self, il: int, pos: int) -> np.ndarray:
         """Raw KV rows of positions max(0, pos-W+1) .. pos, oldest first (a fresh array)."""
@@ -45,7 +45,7 @@ class PagedSeqView:
     def put_row(self, il: int, kind: str, idx: int, row: np.ndarray) -> None:
         ratio = self.b.cfg.ratio(il)
         page, off = self.b.layout.locate(self.b.block_tables[self.slot], ratio, idx)
-        self.b.pages[(il, kind)][page, off] = self.b.encode(kind, row)
+        self.b.pages[(il, kind)][page, off] = self.b.encode(kind, row, self.slot)
 
     def get_rows(self, il: int, kind: str, n: int) -> np.ndarray:
         store = self.b.pages[(il, kind)]
@@ -85,6 +85,7 @@ class NumpyBackend:
         self.mtp_states = [self.mtp.new_state() for _ in range(n_slots)] if self.mtp is not None else []
         self.hidden: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (first position, final streams) of the last pass
         self.last_rows: dict[int, tuple[int, list[int]]] = {}
+        self.non_finite: set[int] = set()  # slots of the pass running now whose rows stopped being finite
 
     # ---- stored rows: the working float, or compact bytes (ds4ref.paging.compact) ------
     @property
@@ -98,9 +99,14 @@ class NumpyBackend:
             return kv_row_bytes(c.head_dim, c.n_rot) if kind == ATTN else index_row_bytes(c.indexer_head_dim)
         return c.head_dim if kind == ATTN else c.indexer_head_dim
 
-    def encode(self, kind: str, rows: np.ndarray) -> np.ndarray:
+    def encode(self, kind: str, rows: np.ndarray, slot: int) -> np.ndarray:
         if self.storage != "compact":
-            return rows
+            return rows  # a NaN is held as it is, and shows in the slot's logits
+        if not np.isfinite(rows).all():
+            # The compact grid has no NaN or infinity. The slot's request ends with this pass
+            # (StepResult.non_finite); zeros keep its remaining rows of the pass computable.
+            self.non_finite.add(slot)
+            rows = np.zeros_like(rows)
         return encode_kv_rows(rows, self.cfg.n_rot) if kind == ATTN else encode_index_rows(rows)
 
     def decode(self, kind: str, stored: np.ndarray) -> np.ndarray:
@@ -223,8 +229,11 @@ class NumpyBackend:
         self._check_rows(rows)  # all before any, so a bad plan changes no state
         emit = np.array([r.emit for r in rows], bool)
         views = {r.slot: PagedSeqView(self, r.slot) for r in rows}  # one per slot: a slot's rows share it
-        out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
-                                   [r.position for r in rows], emit, hidden=self.mtp is not None)
+        self.non_finite = set()
+        # Overflow is reported per slot (StepResult.non_finite), not as NumPy's warnings.
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
+                                       [r.position for r in rows], emit, hidden=self.mtp is not None)
         if self.mtp is not None:
             out, streams = out
             self.hidden = {}
@@ -238,9 +247,12 @@ class NumpyBackend:
             self.last_rows.setdefault(r.slot, (r.position, []))[1].append(r.token)
         argmax = np.full(len(rows), -1, np.int32)
         argmax[emit] = np.argmax(out, axis=-1)
+        emitting = [r for r in rows if r.emit]
+        self.non_finite |= {r.slot for r, finite in zip(emitting, np.isfinite(out).all(axis=-1)) if not finite}
         emitted = iter(out)
         logits = [next(emitted) if r.emit else None for r in rows]
-        return StepResult([lg if r.want_logits else None for lg, r in zip(logits, rows)], argmax)
+        return StepResult([lg if r.want_logits else None for lg, r in zip(logits, rows)], argmax,
+                          frozenset(self.non_finite))
 
     # ---- checks ----------------------------------------------------------------
     def _zero_pages(self, pages: np.ndarray) -> None:

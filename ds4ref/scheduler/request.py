@@ -61,6 +61,11 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     draft_tokens: int = 0     # speculative decoding: drafts its rounds proposed
     accepted_drafts: int = 0  # ... and how many of them the model's own choices confirmed
+    error_code: str = ""      # reason "error": what went wrong, as an OpenAI error code ("" = the engine failed)
+
+
+# FinishEvent.error_code of a request whose own values stopped being finite (backend.StepResult.non_finite)
+NON_FINITE_VALUES = "non_finite_values"
 
 
 Event = Union[TokenEvent, FinishEvent]

@@ -16,7 +16,9 @@ One call to step() is one gathered pass:
      dealt to prompts, oldest first from a start that rotates every pass, at
      most `prompt_quantum` rows each;
   4. run the pass, check every planned slot got exactly one outcome;
-  5. turn tokens into events and finish sequences on EOS / stop ids / length.
+  5. turn tokens into events and finish sequences on EOS / stop ids / length,
+     and with an error those whose rows computed a NaN or an infinity (the
+     backend says which slots; the others' results stand, bit for bit).
 
 Decode rows go first and max_batched_rows >= max_concurrency, so a prompt never
 takes a decoder's row: a long prompt only bounds how long a pass takes, which
@@ -252,13 +254,20 @@ class Scheduler:
         if got != [(w.slot, w.rows) for w in work]:
             raise StepError(f"planned (slot, rows) {[(w.slot, w.rows) for w in work]}, outcomes {got}")
         for o in outcomes:
-            if (not o.choices) != self.engine.seqs[o.slot].prompting:
+            if o.failure:
+                if o.choices:
+                    raise StepError(f"slot {o.slot} failed ({o.failure}) yet chose tokens")
+            elif (not o.choices) != self.engine.seqs[o.slot].prompting:
                 raise StepError(f"slot {o.slot}: tokens are expected exactly when its prompt is done")
 
     def _apply(self, outcomes: list[Outcome]) -> list[Event]:
         events: list[Event] = []
         for o in outcomes:
             s = self.engine.seqs[o.slot]
+            if o.failure:  # its lane and pages are freed now; the other slots' outcomes stand
+                log.error("request %d: %s", s.request.req_id, o.failure)
+                events.append(self._finish(s, "error", o.failure, o.failure_code))
+                continue
             r, before = s.request, len(s.generated) - len(o.choices)
             for n, c in enumerate(o.choices, before + 1):
                 self._tokens_generated += 1
@@ -271,12 +280,12 @@ class Scheduler:
                     break
         return events
 
-    def _finish(self, s: Seq, reason: str, message: str = "") -> FinishEvent:
+    def _finish(self, s: Seq, reason: str, message: str = "", error_code: str = "") -> FinishEvent:
         self.engine.retire(s.slot, cache_tail=reason != "error")
         self._running.pop(s.request.req_id, None)
         spec = s.spec
         return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens,
-                           spec.proposed if spec else 0, spec.accepted if spec else 0)
+                           spec.proposed if spec else 0, spec.accepted if spec else 0, error_code)
 
     def _break_stall(self) -> list[Event]:
         """Nothing could run although _make_room had its turn: a bookkeeping bug, never

@@ -47,7 +47,7 @@ from ..backend import DECODE_LANES, PAGE_TOKENS, Backend, DraftRequest, Row, Ste
 from ..paging.blocks import BlockManager
 from ..paging.pool import PagePool, pool_pages
 from ..paging.prefix import CACHE_OWNER, SNAPSHOTS_PER_SLOT, Match, PrefixCache
-from .request import Request
+from .request import NON_FINITE_VALUES, Request
 from .sampling import Choice, SlotSampler
 from .speculative import MIN_RATE, WINDOW, Acceptance, BackendDrafter, Drafter
 
@@ -77,6 +77,8 @@ class Outcome:
     slot: int
     rows: int
     choices: tuple[Choice, ...] = ()  # the tokens this pass produced, in order; none for a mid-prompt chunk
+    failure: str = ""    # why this slot's request ends with an error now (its rows computed a NaN, ...)
+    failure_code: str = ""  # the OpenAI error code the server answers it with
 
 
 @dataclass
@@ -94,7 +96,8 @@ class Seq:
     spec: Optional[Acceptance] = None  # speculating: its drafts' record (None: it never drafts)
     drafts: list = field(default_factory=list)  # drafts for its next round
     mtp_fed: int = 0         # positions fed to the MTP block (the backend's drafter)
-    done: bool = False       # it produced a stop token or its last one
+    done: bool = False       # it produced a stop token or its last one, or failed
+    failed: bool = False     # its last pass went wrong for it alone (Outcome.failure): it ends now
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -369,7 +372,8 @@ class SeqEngine:
             self._draft(work)
         if self.cache is not None:
             for w in work:
-                self._cache_progress(self.seqs[w.slot])
+                if not self.seqs[w.slot].failed:  # a failed pass's rows are never offered for reuse
+                    self._cache_progress(self.seqs[w.slot])
         self.blocks.top_up([s.slot for s in self.live()])
         return outcomes
 
@@ -432,7 +436,12 @@ class SeqEngine:
         if len(result.logits) != n or len(np.asarray(result.argmax).reshape(-1)) != n:
             raise StepError(f"backend returned {len(result.logits)} logits and "
                             f"{np.asarray(result.argmax).size} argmax for {n} rows")
+        unknown = set(result.non_finite) - {r.slot for r in rows}
+        if unknown:
+            raise StepError(f"backend reports slots {sorted(unknown)} non-finite, which ran no row of this pass")
         for i, r in enumerate(rows):
+            if r.slot in result.non_finite:
+                continue  # its results mean nothing: the slot's request fails (_advance)
             lg = result.logits[i]
             if r.emit and not 0 <= int(result.argmax[i]) < self.config.vocab_size:
                 raise StepError(f"row {i} (slot {r.slot}, position {r.position}) emits but its argmax "
@@ -450,14 +459,25 @@ class SeqEngine:
         outcomes, i = [], 0
         for w in work:
             s = self.seqs[w.slot]
-            if s.prompting:
+            if w.slot in result.non_finite:
+                outcomes.append(self._fail(s, w, f"the model computed a NaN or an infinity for this request "
+                                                 f"(positions {s.fed}..{s.fed + w.rows - 1}): its values "
+                                                 f"overflowed float32, so it cannot go on", NON_FINITE_VALUES))
+            elif s.prompting:
                 s.fed += w.rows
                 choices = [] if s.prompting else [self._choose(s, result, i + w.rows - 1)]
+                outcomes.append(Outcome(w.slot, w.rows, tuple(choices)))
             else:
-                choices = self._round(s, w, result, i, snaps.get(w.slot))
-            outcomes.append(Outcome(w.slot, w.rows, tuple(choices)))
+                outcomes.append(Outcome(w.slot, w.rows, tuple(self._round(s, w, result, i, snaps.get(w.slot)))))
             i += w.rows
         return outcomes
+
+    @staticmethod
+    def _fail(s: Seq, w: Work, why: str, code: str) -> Outcome:
+        """The outcome of a slot whose pass went wrong for it alone: no token, and its request
+        ends (Scheduler._apply retires it; nothing of this pass is cached or drafted from)."""
+        s.done = s.failed = True
+        return Outcome(w.slot, w.rows, (), why, code)
 
     def _choose(self, s: Seq, result: StepResult, row: int) -> Choice:
         c = s.sampler.choose(result.logits[row], int(result.argmax[row]))

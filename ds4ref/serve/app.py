@@ -30,7 +30,8 @@ from .chat import DSML, ChatTemplateError, encode_chat, encode_prompt, thinking_
 from .protocol import U64, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .runner import Runner, ServerShuttingDown, StreamAborted
 from .text import CONTENT, REASONING, Delta, TextAssembler, TokenInfo
-from .structured import JSONConstraint, StructuredOutputError, structured_output
+from .structured import GrammarConstraint, StructuredOutputError, structured_output
+from .tool_grammar import forced_tool_calls
 from .tools import ToolCall, ToolCallStream
 
 log = logging.getLogger("ds4ref.serve")
@@ -180,16 +181,23 @@ async def _tokenize(fn: Callable[[], list[int]], param: str, n_chars: int, state
 
 
 async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
-                       ) -> tuple[list[int], bool, Optional[JSONConstraint]]:
-    """A chat request's prompt ids, whether it thinks, and its response_format constraint."""
+                       ) -> tuple[list[int], bool, Optional[GrammarConstraint]]:
+    """A chat request's prompt ids, whether it thinks, and its constraint: response_format's,
+    or a forced tool_choice's."""
     thinking = thinking_requested(body.chat_template_kwargs, body.reasoning_effort,
                                   body.thinking.model_dump() if body.thinking else None)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = body.tools_for_prompt()
+    if body.forces_tool_call() and body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "a forced tool_choice makes the answer a tool call: response_format cannot "
+                            "constrain it too", "tool_choice", "invalid_value")
     try:
         constraint, schema = structured_output(state.tokenizer, body.response_format, thinking)
+        constraint = constraint or await asyncio.to_thread(  # a large tool list takes a while to compile
+            forced_tool_calls, state.tokenizer, tools, body.tool_choice, body.parallel_tool_calls is not False,
+            thinking)
     except StructuredOutputError as e:
-        raise APIError(400, str(e), e.param, "invalid_response_format") from None
+        raise APIError(400, str(e), e.param, e.code) from None
     n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
     ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
                                               reasoning_effort=body.reasoning_effort, response_format=schema),
@@ -257,7 +265,8 @@ class Generation:
     async def first_events(self, http: HTTPRequest) -> None:
         """Wait for the first events before a stream's response starts: a request the shutdown
         aborts before then (still queued, or prefilling) gets its status, 503 with Retry-After,
-        not a 200 stream that carries the error. A client that leaves meanwhile is cancelled."""
+        and one the engine ends with an error its 500, not a 200 stream that carries the error.
+        A client that leaves meanwhile is cancelled."""
         work = asyncio.ensure_future(self._stream.next_events())
         watch = asyncio.ensure_future(_until_disconnect(http))
         try:
@@ -266,6 +275,11 @@ class Generation:
                 work.cancel()
                 raise APIError(499, "client disconnected", None, "client_closed")
             self._first = work.result()
+            failed = next((ev for ev in self._first if isinstance(ev, FinishEvent) and ev.reason == "error"), None)
+            if failed is not None and not any(isinstance(ev, TokenEvent) for ev in self._first):
+                # ended before its first token: the status and body of a request that never streamed
+                self._engine_done = True
+                raise engine_failure(failed)
         except ServerShuttingDown as e:
             self.close()
             raise shutting_down(e) from None
@@ -318,7 +332,7 @@ class Generation:
                     self.cached_tokens, self.drafts = ev.cached_tokens, (ev.draft_tokens, ev.accepted_drafts)
                     if ev.reason == "error":
                         self.finish_reason = "error"
-                        raise APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
+                        raise engine_failure(ev)
                     if ev.reason == "cancelled":
                         self.finish_reason = "error"
                         raise APIError(500, "the request was cancelled by the server", None, "cancelled",
@@ -500,6 +514,14 @@ def shutting_down(exc: ServerShuttingDown) -> APIError:
     """A request the shutdown ended: retryable, on another server or this one restarted."""
     return APIError(503, f"generation aborted: {exc}", None, "server_shutting_down", "server_error",
                     {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def engine_failure(ev: FinishEvent) -> APIError:
+    """A request the engine ended with an error: its own failure by its code (non_finite_values:
+    its values overflowed), else the pass it ran in failed."""
+    if ev.error_code:
+        return APIError(500, ev.message, None, ev.error_code, "server_error")
+    return APIError(500, f"engine error: {ev.message}", None, "engine_error", "server_error")
 
 
 def internal_error(exc: BaseException) -> APIError:

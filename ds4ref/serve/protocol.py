@@ -181,9 +181,14 @@ class ToolDef(_Strict):
     function: FunctionDef
 
 
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
 class NamedTool(_Strict):
+    """tool_choice naming the function the answer must call."""
     type: Literal["function"]
-    function: dict[str, Any]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(_Strict):
@@ -245,11 +250,18 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, choice: Any) -> Any:
-        if choice == "required" or isinstance(choice, NamedTool):
-            raise ValueError("only 'auto' and 'none' are supported: DeepSeek-V4's chat format has no way "
-                             "to force a tool call")
+    def _tool_choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        # fields validate in declaration order: `tools` is in info.data when it was valid
+        tools = info.data.get("tools") or []
+        if (choice == "required" or isinstance(choice, NamedTool)) and not tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools to call")
+        if isinstance(choice, NamedTool) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                             f"the tools")
         return choice
+
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedTool)
 
     @field_validator("response_format")
     @classmethod

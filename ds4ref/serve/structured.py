@@ -19,6 +19,9 @@ from .chat import THINK_END
 
 
 class StructuredOutputError(ValueError):
+    """A constraint that cannot be built: a 400 naming `param`, with OpenAI error code `code`."""
+    code = "invalid_response_format"
+
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
@@ -33,8 +36,9 @@ def _llguidance():
     return llguidance
 
 
-class JSONConstraint:
-    """One request's matcher: `allowed()` before each token, `accept(token)` after it."""
+class GrammarConstraint:
+    """One request's matcher (a JSON schema's, or a forced tool call's: serve/tool_grammar.py):
+    `allowed()` before each token, `accept(token)` after it."""
 
     def __init__(self, matcher: Any, vocab_size: int, start_after: Optional[int] = None) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
@@ -64,7 +68,7 @@ def _ll_tokenizer(tokenizer: Any) -> Any:
 
 
 def structured_output(tokenizer: Any, response_format: Any, thinking: bool = False
-                      ) -> tuple[Optional[JSONConstraint], Optional[dict]]:
+                      ) -> tuple[Optional[GrammarConstraint], Optional[dict]]:
     """(constraint for the sampler, schema for the system prompt) of a ResponseFormat, or (None, None)."""
     if response_format is None or response_format.type == "text":
         return None, None
@@ -76,4 +80,4 @@ def structured_output(tokenizer: Any, response_format: Any, thinking: bool = Fal
         raise StructuredOutputError(f"the JSON schema cannot be used: {error}", "response_format.json_schema.schema")
     matcher = llg.LLMatcher(_ll_tokenizer(tokenizer), grammar)
     start = tokenizer.token_to_id(THINK_END) if thinking else None
-    return JSONConstraint(matcher, tokenizer.vocab_size, start), schema
+    return GrammarConstraint(matcher, tokenizer.vocab_size, start), schema

@@ -107,28 +107,41 @@ __device__ __forceinline__ void am_pick(float& bv, int& bi, float v, int i) {
     if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
 }
 
+// What ds4_argmax writes for a row holding a NaN or an infinity (ops.NON_FINITE_ROW): the
+// host ends that row's request (backend.StepResult.non_finite) instead of sampling noise.
+#define DS4_NON_FINITE_ROW (-2)
+
 // lane_slot (or null): rows whose entry is negative are padding and are skipped.
 extern "C" __global__ void ds4_argmax(const float* __restrict__ x, int V, int* __restrict__ out,
                                       const int* __restrict__ lane_slot) {
     DS4_KERNEL_ENTRY;
     __shared__ float sv[32];
     __shared__ int si[32];
+    __shared__ int sb[32];
     if (lane_slot && lane_slot[blockIdx.x] < 0) return;
     const float* xr = x + (long long)blockIdx.x * V;
     float bv = -DS4_INF;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) am_pick(bv, bi, xr[i], i);
+    int bad = 0;  // a NaN or an infinity seen: the exponent bits all ones (no float compare to trust)
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        float v = xr[i];
+        bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+        am_pick(bv, bi, v, i);
+    }
     for (int m = DS4_WARP / 2; m > 0; m >>= 1) {
         float ov = DS4_SHFL_XOR(bv, m);
         int oi = DS4_SHFL_XOR(bi, m);
         am_pick(bv, bi, ov, oi);
+        bad |= DS4_SHFL_XOR(bad, m);
     }
     int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; sb[warp] = bad; }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x / DS4_WARP); ++w) am_pick(bv, bi, sv[w], si[w]);
-        // all values -inf (or NaN): NumPy answers 0 for all -inf
-        out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+        for (int w = 1; w < (int)(blockDim.x / DS4_WARP); ++w) {
+            am_pick(bv, bi, sv[w], si[w]);
+            bad |= sb[w];
+        }
+        out[blockIdx.x] = bad ? DS4_NON_FINITE_ROW : bi;
     }
 }
