@@ -103,7 +103,7 @@ after = signatures()
 print(json.dumps({"new": {k: [before.get(k, 0), n] for k, n in after.items() if n != before.get(k, 0)},
                   "warmed": sorted(k for k, n in before.items() if n),
                   "same_ll_tokenizer": state.tokenizer._llguidance is ll_tokenizer is not None,
-                  "usage": [long["usage"], chat["usage"]], "passes": engine.spec_totals["spec_rounds"],
+                  "usage": [long["usage"], chat["usage"]], "spec_rounds": engine.spec_totals["spec_rounds"],
                   "one_pass": state.runner.scheduler.max_batched_rows >= len(prompt)}))
 """
 
@@ -118,5 +118,5 @@ def test_after_the_warm_up_no_request_reaches_a_kernel_it_did_not():
     assert {"ds4ref.reference.canon._indexer_scores", "ds4ref.reference.canon._indexer_scores_par",
             "ds4ref.reference.canon._matmul_par"} <= set(out["warmed"]), out["warmed"]
     assert out["usage"][0]["completion_tokens"] == 8 and out["usage"][1]["completion_tokens"] > 0
-    assert out["passes"] > 0  # speculative rounds ran: the drafts' MTP passes were reached
+    assert out["spec_rounds"] > 0  # speculative rounds ran: the drafts' MTP passes were reached
     assert out["same_ll_tokenizer"]  # llguidance's tokenizer was built by the warm-up, not by the request

@@ -199,7 +199,10 @@ def exact_sum(values: np.ndarray) -> float:
     fraction's low 27 and high 25 bits and counts the values, each an exact integer in float64
     (a step's sums stay below 2**42), added up in int64 (exact for 2**36 values); Python's
     integers then add the scaled terms, and one correctly rounded division by 2**1074 gives the
-    float. A zero or non-finite sum, or one past the float range, is math.fsum's own."""
+    float. Zero and non-finite sums are math.fsum's own (its sign of zero, its inf, nan and
+    errors), and a sum past the float range raises its OverflowError; where only math.fsum's
+    running partials overflow (addends near the float range whose exact sum is a float),
+    exact_sum returns that float where math.fsum raises."""
     x = np.ascontiguousarray(values, np.float64).reshape(-1)
     if not np.isfinite(x).all():
         return math.fsum(x.tolist())
