@@ -103,16 +103,74 @@ def test_hadamard_orthonormal(k):
 
 # ---- RoPE --------------------------------------------------------------------
 
-def test_yarn_omega_matches_spec_numbers():
-    om = ops.rope_omega(64, 160000.0, (16.0, 65536, 32.0, 1.0))
-    assert om[0] == 1.0
-    assert abs(om[1] - 0.687656) < 1e-6 and abs(om[2] - 0.472871) < 1e-6
-    assert abs(om[31] / 5.68053e-7 - 1) < 1e-5
-    main = ops.rope_omega(64, 10000.0)
-    assert abs(main[31] / 1.33352e-4 - 1) < 1e-5
-    plain = ops.rope_omega(64, 160000.0)
-    assert np.array_equal(om[:16], plain[:16]), "pairs below the ramp are unscaled"
-    assert np.allclose(om[25:], plain[25:] / 16), "pairs above the ramp are divided by the factor"
+FLASH_YARN = (16.0, 65536, 32.0, 1.0)  # factor, original context, beta_fast, beta_slow (DS4_SPEC.md §4)
+
+
+def official_omega(n_rot: int, base: float, yarn=None) -> list:
+    """The frequencies of the official DeepSeek code's precompute_freqs_cis (inference/model.py;
+    DS4_SPEC.md §4 quotes its formulas for V4), in 160-bit arithmetic, with the correction range
+    it computes:
+      freqs_j = 1 / base ** (2j / dim), j < dim / 2
+      find_correction_dim(r) = dim * ln(original_seq_len / (r * 2 pi)) / (2 ln base)
+      low = max(floor(find_correction_dim(beta_fast)), 0), high = min(ceil(find_correction_dim(beta_slow)), dim - 1)
+      ramp_j = clamp((j - low) / (high - low), 0, 1)   (high += 0.001 when high == low)
+      smooth = 1 - ramp;  freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    Returns ([mpmath frequencies], (low, high))."""
+    import mpmath
+    with mpmath.workprec(160):
+        dim, base = mpmath.mpf(n_rot), mpmath.mpf(base)
+        freqs = [1 / base ** (2 * mpmath.mpf(j) / dim) for j in range(n_rot // 2)]
+        if yarn is None:
+            return freqs, None
+        factor, orig, fast, slow = (mpmath.mpf(v) for v in yarn)
+        corr = lambda r: dim * mpmath.log(orig / (r * 2 * mpmath.pi)) / (2 * mpmath.log(base))  # noqa: E731
+        low, high = max(int(mpmath.floor(corr(fast))), 0), min(int(mpmath.ceil(corr(slow))), n_rot - 1)
+        span = mpmath.mpf(high - low) if high != low else mpmath.mpf("0.001")
+        ramp = [min(max((j - low) / span, 0), 1) for j in range(n_rot // 2)]
+        return [f / factor * r + f * (1 - r) for f, r in zip(freqs, ramp)], (low, high)
+
+
+def _float64(v) -> float:
+    import mpmath
+    with mpmath.workprec(160):
+        return float(v)  # mpmath rounds to nearest: the correctly rounded float64
+
+
+def _float32(v) -> np.float32:
+    import mpmath
+    with mpmath.workprec(24):  # round half to even onto float32's significand
+        return np.float32(float(+v))
+
+
+@pytest.mark.parametrize("base, yarn", [(10000.0, None), (160000.0, FLASH_YARN)], ids=["main", "compress"])
+def test_rope_omega_is_the_official_formula(base, yarn):
+    """Flash's two tables (64 rotary dims) against the official formula, exact: pairs the ramp
+    leaves alone (ramp 0: the frequency, correctly rounded; ramp 1: that / 16, exact) bit for bit;
+    the blended pairs (YaRN's ramp between low and high) to 4 float64 ulps, since rope_omega
+    blends in float64 (omega (1 - ramp) + omega / 16 ramp: four roundings) and the formula's value
+    here is exact. What the tables use, each frequency rounded to float32, is in every pair the
+    float32 nearest the exact value."""
+    want, lohi = official_omega(64, base, yarn)
+    got = ops.rope_omega(64, base, yarn)
+    blended = range(lohi[0] + 1, lohi[1]) if lohi else range(0)
+    if yarn:
+        assert lohi == (15, 25)  # DS4_SPEC.md §4: corr(32) = 15.453, corr(1) = 24.708
+    for j, (g, w) in enumerate(zip(got, want)):
+        if j in blended:
+            assert abs(g - _float64(w)) <= 4 * math.ulp(_float64(w)), j
+        else:
+            assert g == _float64(w), j
+        assert np.float32(g) == _float32(w), j
+
+
+def test_the_specs_printed_frequencies_are_the_formulas():
+    """DS4_SPEC.md §4 prints omega_1 = 0.687656, omega_2 = 0.472871 (compress table, pairs below
+    the ramp: 160000^(-2j/64) as they are), omega_31 = 5.68053e-7 (above it: divided by 16) and the
+    main table's omega_31 = 1.33352e-4, each to 6 significant digits."""
+    compress, main = ops.rope_omega(64, 160000.0, FLASH_YARN), ops.rope_omega(64, 10000.0)
+    printed = [(compress[0], 1.0), (compress[1], 0.687656), (compress[2], 0.472871), (compress[31], 5.68053e-7),
+               (main[31], 1.33352e-4)]
+    assert all(float(f"{got:.6g}") == spec for got, spec in printed), printed
 
 
 @settings(max_examples=30)

@@ -227,20 +227,35 @@ def test_cached_turns_equal_computing_from_scratch(tiny, seed, first, turn, samp
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 1000), root=st.integers(130, 400), own=st.integers(1, 60),
-       arrive=st.lists(st.integers(0, 12), min_size=3, max_size=3), cancel=st.sampled_from([None, 5, 20]))
+@given(seed=st.integers(0, 1000), root=st.integers(T, 2 * T - 1), own=st.integers(1, 60), arrive=st.integers(2, 12),
+       cancel=st.sampled_from([None, 5, 20]))
 def test_concurrent_sharers_under_page_pressure_equal_their_solo_bits(tiny, seed, root, own, arrive, cancel):
-    """Three requests on one root arrive at random passes into a pool too small for all of
-    them: they share its pages, get preempted and come back through the cache, and one may be
-    cancelled; each one's bits are those it gets alone, from scratch."""
+    """Three requests on one root (its first page shared) into a pool too small for them: they
+    share its pages, one is preempted and comes back through the cache, and one may be
+    cancelled; each one's bits are those it gets alone, from scratch.
+
+    Preemption, forced: A (a prompt of two whole pages, T + 2 tokens) arrives first and
+    reserves its prompt's pages and one more; B (T + 2 tokens) arrives a pass later, takes the
+    rest of the pool and leaves A's spare unpaid, so when A's history crosses into its fourth
+    page, with B still decoding, the scheduler preempts B, the youngest live sequence; C (40
+    tokens) arrives later and waits for pages."""
     V = tiny.config.vocab_size
     base = history(seed, root, V)
-    reqs = lambda: [Request(base + history(seed + 1 + i, own, V), 40, sampling=SAMPLINGS[i % 2],  # noqa: E731
-                            ignore_eos=True) for i in range(3)]
-    eng = Engine(tiny, max_concurrency=3, kv_pool_tokens=-(-(root + own + 40) // T) * T + 2 * T)
+
+    def reqs():
+        return [Request(base + history(seed + 1, 2 * T - root, V), T + 2, sampling=SAMPLINGS[0], ignore_eos=True),
+                Request(base + history(seed + 2, own, V), T + 2, sampling=SAMPLINGS[1], ignore_eos=True),
+                Request(base + history(seed + 3, own, V), 40, sampling=SAMPLINGS[0], ignore_eos=True)]
+
+    b_pages = -(-(root + own) // T)  # B's reservation: its prompt's pages and one more, less the shared root page
+    eng = Engine(tiny, max_concurrency=3, kv_pool_tokens=(3 + b_pages) * T)
     eng.seq_engine.snapshot_every = 1
     cancel_at = {} if cancel is None else {2: cancel}
-    outs = eng.run(reqs(), arrivals=dict(enumerate(arrive)), cancel_at=cancel_at)
+    outs = eng.run(reqs(), arrivals={0: 0, 1: 1, 2: arrive}, cancel_at=cancel_at)
+    stats = eng.scheduler.stats()
+    assert stats["preemptions"] >= 1, stats
+    # every admission but A's, B's return after its preemption included, started from cached pages
+    assert stats["prefix_misses"] == 1 and stats["prefix_hits"] >= 1 + stats["preemptions"], stats
     index = {f.req_id: i for i, f in enumerate(eng.finishes)}
     lps = [[] for _ in outs]
     for ev in eng.events:
@@ -251,7 +266,7 @@ def test_concurrent_sharers_under_page_pressure_equal_their_solo_bits(tiny, seed
         n = len(outs[i])
         assert outs[i] == want[0][:n] and lps[i] == [lp for lp, _ in want[1][:n]]
         if eng.finishes[i].reason != "cancelled":
-            assert n == 40
+            assert n == r.max_new_tokens
     check_balanced(eng)
 
 

@@ -114,8 +114,10 @@ def test_openai_client_completion_logprobs(server):
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(len(t) >= 1 for t in lp.top_logprobs)
-    # greedy: the chosen token is the most likely one
-    assert all(abs(chosen - max(top.values())) < 1e-9 for chosen, top in zip(lp.token_logprobs, lp.top_logprobs))
+    # greedy: the chosen token is the most likely one; both numbers are the same float32 of one
+    # log-softmax, written to JSON the same way, so they are equal
+    assert all(chosen == max(top.values()) for chosen, top in zip(lp.token_logprobs, lp.top_logprobs))
+    assert all(top[tok] == chosen for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
 
 
 def test_thinking_mode_splits_reasoning(server):
@@ -136,7 +138,7 @@ def test_stop_string_trims_output_and_frees_the_slot(server):
     r = post(server, "/v1/completions", dict(GREEDY, prompt="Stop test", max_tokens=24, stop=[stop])).json()
     assert r["choices"][0]["text"] == full[:cut]
     assert r["choices"][0]["finish_reason"] == "stop"
-    assert server.wait_idle(5)
+    assert server.wait_idle(60)
 
 
 def test_stop_token_id_ends_generation_without_emitting_it(server):
@@ -159,7 +161,7 @@ PROMPTS = [f"Request number {i}: " + "lorem ipsum " * (i % 5) for i in range(16)
 
 
 def test_sixteen_concurrent_streams_match_their_solo_greedy_text(server):
-    solo = completion_text(server, PROMPTS[3], 16)
+    solo = [completion_text(server, p, 16) for p in PROMPTS]  # one at a time
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -167,11 +169,12 @@ def test_sixteen_concurrent_streams_match_their_solo_greedy_text(server):
 
     results = asyncio.run(main())
     assert all(finish == "length" for _, finish in results)
-    assert results[3][0] == solo
-    assert server.wait_idle(5)
+    assert [text for text, _ in results] == solo
+    assert server.wait_idle(60)
 
 
 def test_client_disconnect_cancels_its_request(server):
+    cancelled = server.runner.metrics.finished.value("cancelled")
     body = dict(GREEDY, prompt="disconnect me", max_tokens=400, stream=True)
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
@@ -179,46 +182,49 @@ def test_client_disconnect_cancels_its_request(server):
             got = [l for _, l in zip(range(6), lines)]
             assert any(l.startswith("data: ") for l in got)
             assert server.runner.stats["running"] >= 1
-    # the slot is freed well before 400 tokens could have been generated
-    t0 = time.monotonic()
-    assert server.wait_idle(5)
-    assert time.monotonic() - t0 < 5
-    finished = server.runner.metrics.finished
-    assert finished.value("cancelled") >= 1
+    # the request ends cancelled (freeing its slot), not at its 400 tokens
+    assert server.wait_idle(60)
+    assert server.runner.metrics.finished.value("cancelled") == cancelled + 1
 
 
 def test_non_streaming_disconnect_cancels(server):
     before = server.runner.metrics.finished.value("cancelled")
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", dict(GREEDY, prompt="slow", max_tokens=450), timeout=0.5)
-    assert server.wait_idle(5)
+    assert server.wait_idle(60)
     assert server.runner.metrics.finished.value("cancelled") == before + 1
 
 
-def test_a_client_that_never_reads_does_not_slow_the_others(server):
-    """One raw-socket client sends a long streaming request and never reads a byte;
-    fifteen others must still finish in about the time they take alone."""
-    async def fifteen():
-        async with httpx.AsyncClient(timeout=60) as c:
-            t0 = time.monotonic()
-            res = await asyncio.gather(*(stream_completion(c, server.url, p, 24) for p in PROMPTS[1:]))
-            return res, time.monotonic() - t0
+def test_a_client_that_never_reads_does_not_slow_the_others():
+    """One raw-socket client sends a long streaming request and never reads a byte; fifteen
+    others finish, with the texts they get alone, while its events wait unread in its stream:
+    the runner never waits on a client. Nothing here gives up on the silent client (no stall
+    timeout, no bound on unread events), so a runner that waited on it would serve nobody."""
+    with LiveServer(max_concurrency=16, max_context=1024, stall_timeout=0, max_pending=1 << 20) as server:
+        async def fifteen():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(stream_completion(c, server.url, p, 24) for p in PROMPTS[1:]))
 
-    _, alone = asyncio.run(fifteen())
-    body = json.dumps(dict(GREEDY, prompt="never read", max_tokens=480, stream=True)).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-    sock.connect(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    try:
-        res, loaded = asyncio.run(fifteen())
-        assert all(f == "length" for _, f in res)
-        # one more lane busy costs a little per step, never a stall
-        assert loaded < 2.5 * alone + 2.0, (alone, loaded)
-    finally:
-        sock.close()
-    assert server.wait_idle(10)
+        alone = asyncio.run(fifteen())
+        body = json.dumps(dict(GREEDY, prompt="never read", max_tokens=960, stream=True)).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            streams = server.runner._streams
+            deadline = time.monotonic() + 60  # a hang guard
+            while not streams and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (silent,) = streams.values()
+            loaded = asyncio.run(fifteen())
+            assert all(f == "length" for _, f in loaded) and loaded == alone
+            assert silent.aborted is None and len(silent._items) > 0  # its events wait, unread
+            assert server.runner.metrics.slow_client_cancels.value() == 0
+        finally:
+            sock.close()
+        assert server.wait_idle(60)
 
 
 def test_client_blocked_in_send_is_cancelled_and_its_lane_freed():
@@ -462,16 +468,16 @@ def test_bad_flags_exit_nonzero_with_a_message(args, needle):
     assert p.returncode != 0 and needle in err
 
 
-def test_hip_backend_without_a_gpu_exits_quickly():
-    t0 = time.monotonic()
+def test_hip_backend_without_a_gpu_exits_naming_what_is_missing():
+    """Status 2 and ds4ref.serve's error naming the runtimes it tried, no traceback, no server."""
     p = _serve("--backend", "hip", "--port", str(free_port()))
     try:
-        _, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=60)
     except subprocess.TimeoutExpired:  # a GPU is present and the server is up
         p.kill()
         pytest.skip("a GPU is available here")
-    assert p.returncode != 0 and "error" in err.lower()
-    assert time.monotonic() - t0 < 30
+    assert p.returncode == 2 and err.startswith("ds4ref.serve: error: no usable GPU runtime"), err
+    assert "Traceback" not in err and "listening" not in out
 
 
 def test_sigterm_shuts_down_gracefully():

@@ -124,16 +124,16 @@ def test_signal_under_load_ends_every_request_cleanly(sig):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_forces_the_exit(sig):
-    with four_requests_running(grace_s=60) as (p, clients, queued):
+    """A grace period no test outlasts: after the first signal the server waits for its
+    requests, so only the second can end it before they finish, and then every request ends
+    as the shutdown ends it (aborted streams, 503s), none with its 3000 tokens."""
+    with four_requests_running(grace_s=3600) as (p, clients, queued):
         p.send_signal(sig)
         time.sleep(0.5)
         assert p.poll() is None  # within its grace period: the requests could still finish
-        t0 = time.monotonic()
         p.send_signal(sig)
-        p.wait(timeout=30)
-        forced_in = time.monotonic() - t0
+        p.wait(timeout=120)  # a hang guard: without the forced exit it would be the hour's grace
         ends, queued_ends = clients.join(), queued.join()
     assert p.returncode == -sig
-    assert forced_in < 10  # not the 60 s grace period
     assert_clean_ends(ends, queued_ends)
     assert "Traceback" not in p.stderr.read()

@@ -74,6 +74,10 @@ workloads = st.integers(1, 20).flatmap(lambda n: st.tuples(
 @given(workloads)
 def test_speculation_changes_no_token_logprob_or_finish(w):
     specs, arrive, cancel, conc, quantum, spare, pool, k, drafts, cache, shared = w
+    # request 0 arrives first, is never cancelled and decodes at least 8 tokens: as the oldest
+    # decoder it takes the first draft rows of every pass that has one beyond the lanes
+    n0, m0, s0, _, _ = specs[0]
+    specs, arrive, cancel = [(n0, max(m0, 8), s0, True, [])] + specs[1:], [0] + arrive[1:], [None] + cancel[1:]
     kw = dict(max_concurrency=conc, kv_pool_tokens=pool, prompt_quantum=quantum, prefix_cache=cache,
               max_batched_rows=None if spare is None else conc + spare, backend="hash")
     arrivals = dict(enumerate(arrive))
@@ -95,6 +99,8 @@ def test_speculation_changes_no_token_logprob_or_finish(w):
     assert all(p.n_rows <= rows for p in spec.seq_engine.backend.passes)
     stats = spec.scheduler.stats()
     assert 0 <= stats["spec_accepted"] <= stats["spec_proposed"]
+    if spare is None or spare > 0:  # rows beyond the lanes: speculation ran (passes of only the lanes' rows have none)
+        assert stats["spec_rounds"] > 0 and spec.finishes[0].draft_tokens > 0, stats
     fins = [f for f in spec.finishes if f.reason != "cancelled"]
     assert all(0 <= f.accepted_drafts <= f.draft_tokens for f in fins)
     balanced(spec)

@@ -142,6 +142,86 @@ def test_logits_are_peaked(tiny_weights):
 
 
 
+def _fsum(values) -> float:
+    """The statistics' former definition, the oracle of exact_sum: math.fsum over a list."""
+    import math
+    return math.fsum(np.asarray(values, np.float64).reshape(-1).tolist())
+
+
+def _outcome(f, values) -> str:
+    try:
+        return repr(f(values))  # repr: the sign of a zero sum counts
+    except (OverflowError, ValueError) as e:  # ValueError: fsum's -inf + inf
+        return type(e).__name__
+
+
+def _exact_total(values) -> float:
+    """The exact sum of finite values, rounded once (int / int true division rounds correctly)."""
+    from fractions import Fraction
+    return float(sum(map(Fraction, values.tolist()), Fraction(0)))
+
+
+def _same_sum(values) -> None:
+    from ds4ref.gguf.tiny import exact_sum
+    want = _outcome(_fsum, values)
+    if want == "OverflowError" and np.isfinite(values).all():
+        want = _outcome(_exact_total, values)  # fsum's running partials overflowed: the exact total's rounding
+    assert _outcome(exact_sum, values) == want, (want, values)
+
+
+scaled = st.tuples(st.floats(-2.0, 2.0), st.integers(-1080, 1030)).map(lambda t: t[0] * 2.0 ** max(t[1], -1074)
+                                                                       if t[1] < 1024 else t[0] * 2.0 ** 1023)
+
+
+@given(st.lists(st.one_of(st.floats(), scaled, st.sampled_from([0.0, -0.0, 5e-324, -5e-324, 2.0 ** 1023])),
+                max_size=40))
+def test_exact_sum_is_fsum(values):
+    """exact_sum is math.fsum, bit for bit and in its sign of zero, non-finite values and overflow
+    included; each value is also summed with its negation (cancellation down to the last bit)."""
+    _same_sum(np.array(values, np.float64))
+    _same_sum(np.array(values + [-v for v in values[::2]] + [1e-300], np.float64))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_sum_is_fsum_across_its_steps(seed):
+    """Sums of a few steps (_RUN values each) of values over every binade, each step's bincount
+    sums near their largest."""
+    from ds4ref.gguf.tiny import _RUN
+    rng = np.random.default_rng(seed)
+    n = 3 * _RUN + 17
+    wide = rng.standard_normal(n) * np.exp2(rng.integers(-1074, 1000, n).astype(np.float64))
+    _same_sum(wide)
+    full = np.nextafter(np.ones(n), 2.0) * np.where(rng.random(n) < 0.5, -1.0, 1.0)  # every fraction bit set
+    _same_sum(full)
+    _same_sum(rng.standard_normal(n).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q2_K", "Q4_K", "MXFP4"])
+def test_random_blocks_are_the_bytes_of_the_fsum_statistics(monkeypatch, qtype):
+    """The vectorised statistics write the bytes the former math.fsum ones wrote, at a size of
+    several of exact_sum's steps (the policy files' goldens check their whole files)."""
+    import math
+    from ds4ref.gguf import tiny
+    rng_state = 12345
+    shape = (24, 4096)  # 98304 values: three steps
+
+    def blocks():
+        return tiny.random_blocks(np.random.default_rng(rng_state), qtype, shape, 0.02).data.tobytes()
+
+    def fsum_mean(values):
+        return _fsum(values) / values.size
+
+    def fsum_std(values):
+        x = np.asarray(values, np.float64).reshape(-1)
+        d = x - fsum_mean(x)
+        return math.sqrt(_fsum(d * d) / x.size)
+
+    vectorised = blocks()
+    monkeypatch.setattr(tiny, "exact_mean", fsum_mean)
+    monkeypatch.setattr(tiny, "exact_std", fsum_std)
+    assert blocks() == vectorised
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(["IQ2_XXS", "Q2_K", "Q4_K", "MXFP4"]),
        std=st.floats(1e-3, 10.0))

@@ -189,16 +189,57 @@ def _dequant(blocks: np.ndarray, qtype) -> np.ndarray:
 
 # The generated files must be the same bytes on every machine, so no statistic that feeds a
 # stored byte may come from a NumPy reduction (its rounding follows the CPU's SIMD width and
-# the NumPy build) or a vectorised transcendental. math.fsum is correctly rounded and the
-# element-wise float64 operations are IEEE-exact, so these two are machine-independent.
+# the NumPy build) or a vectorised transcendental. exact_sum is the correctly rounded sum (what
+# math.fsum returns) and the element-wise float64 operations are IEEE-exact, so these two are
+# machine-independent.
+_RUN = 1 << 15  # values a step: the step's arrays stay in the CPU's caches
+
+
+def exact_sum(values: np.ndarray) -> float:
+    """math.fsum(values) (float64), vectorised: the exact sum, rounded once to nearest even.
+
+    A finite float64 is (-1)**s * M * 2**(max(f, 1) - 1075), its top 12 bits (s, f) naming the
+    scale and M = the 52 fraction bits, plus 2**52 when f > 0. Per (s, f), bincount sums the
+    fraction's low 27 and high 25 bits and counts the values, each an exact integer in float64
+    (a step's sums stay below 2**42), added up in int64 (exact for 2**36 values); Python's
+    integers then add the scaled terms, and one correctly rounded division by 2**1074 gives the
+    float. Zero and non-finite sums are math.fsum's own (its sign of zero, its inf, nan and
+    errors), and a sum past the float range raises its OverflowError; where only math.fsum's
+    running partials overflow (addends near the float range whose exact sum is a float),
+    exact_sum returns that float where math.fsum raises."""
+    x = np.ascontiguousarray(values, np.float64).reshape(-1)
+    if not np.isfinite(x).all():
+        return math.fsum(x.tolist())
+    bits = x.view(np.uint64)
+    low_bits, high_bits = np.uint64((1 << 27) - 1), np.uint64((1 << 25) - 1)
+    low, high, count = (np.zeros(4096, np.int64) for _ in range(3))
+    for start in range(0, x.size, _RUN):
+        b = bits[start:start + _RUN]
+        top = (b >> np.uint64(52)).view(np.int64)  # s * 2048 + f
+        low += np.bincount(top, b & low_bits, 4096).astype(np.int64)
+        high += np.bincount(top, (b >> np.uint64(27)) & high_bits, 4096).astype(np.int64)
+        count += np.bincount(top, None, 4096)
+    total = 0
+    for k in map(int, np.flatnonzero(count)):
+        f = k & 2047
+        m = int(low[k]) + (int(high[k]) << 27) + (int(count[k]) << 52 if f else 0)
+        total += (-m if k >> 11 else m) << (max(f, 1) - 1)
+    try:
+        if total == 0:  # fsum's sign of zero
+            raise OverflowError
+        return total / (1 << 1074)
+    except OverflowError:
+        return math.fsum(x.tolist())
+
+
 def exact_mean(values: np.ndarray) -> float:
-    return math.fsum(np.asarray(values, np.float64).reshape(-1).tolist()) / values.size
+    return exact_sum(values) / values.size
 
 
 def exact_std(values: np.ndarray) -> float:
     x = np.asarray(values, np.float64).reshape(-1)
     d = x - exact_mean(x)
-    return math.sqrt(math.fsum((d * d).tolist()) / x.size)
+    return math.sqrt(exact_sum(d * d) / x.size)
 
 
 def nearest_log2(x: float) -> int:

@@ -8,7 +8,8 @@ are the ones the GPU's fast path wants (a 32-lane warp's strided partials and
 its xor butterfly), written out as loops.
 
 Rules every function here keeps:
-* products and sums are rounded separately: no fused multiply-add;
+* products and sums are rounded separately, except where a definition writes fma (the
+  matrix products' terms and quantised blocks, fma_f32): one rounding, in a fixed order;
 * a sum "in order" starts from +0 and adds its terms left to right;
 * a "butterfly" sum of 32 partials adds p[i] + p[i + 16], then + 8, 4, 2, 1,
   which is what every lane of a warp holds after the xor shuffles.

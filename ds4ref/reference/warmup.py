@@ -2,20 +2,25 @@
 
 Numba compiles a kernel at its first call and caches it next to the sources (`__pycache__`,
 *.nbi/*.nbc), so only a fresh install (or a new CPU or Numba) pays: on two cores about 10 s for
-a decode pass, and about 15 s more for the threaded kernels the first pass of PARALLEL_ROWS or
-more rows runs. `report_compiles` prints a line per kernel compiled, whenever that happens, so
-the wait is never a silent stall; `warm_up` runs one decode pass through a scratch backend, so
-the server compiles (or loads from the cache) what every request needs before it listens.
+a decode pass, and about 15 s more for the threaded kernels a pass of PARALLEL_ROWS or more rows
+runs. `report_compiles` prints a line per kernel compiled, whenever that happens, so the wait
+is never a silent stall; `warm_up` runs passes through a scratch backend that reach every kernel
+a request can reach, so the server compiles (or loads from the cache) all of them before it
+listens.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
 from typing import Callable
 
 from numba.core import event
 
-from ..backend import Row, StepPlan
+from ..backend import PAGE_TOKENS, PREFILL_ROWS, DraftRequest, Row, StepPlan
+from ..gguf.config import CSA
+from .canon import PARALLEL_ROWS
 
 _registered: list = []
 
@@ -61,23 +66,53 @@ def stop_reporting(listener: CompileReport) -> None:
     _registered.remove(listener)
 
 
-WARM_ROWS = 8  # past the first ratio-4 compression (the indexer's rotation, compact index rows)
+WARM_TOP_K = 1  # the scratch model's indexer threshold: its kernels, reached a few rows in
 
 
-def warm_up(reference) -> float:
-    """A pass of WARM_ROWS rows (BOS at positions 0..7) and a decode row after it, through a
-    scratch NumpyBackend of one slot and one page over `reference` (a reference Model): the
-    kernels of a short prompt and of decode, in the serving storage, compiled or loaded from
-    the cache. Fewer than PARALLEL_ROWS rows, so the threaded kernels are left to the first
-    long prompt pass. Returns the seconds it took; the serving backend is not touched."""
+def _first_pick(top_k: int) -> int:
+    """The first position whose query sees more than top_k ratio-4 rows, so the indexer picks."""
+    return CSA * (top_k + 1) - 1
+
+
+WARM_ROWS = _first_pick(WARM_TOP_K) + 1  # 8: a short prompt pass whose last row picks
+
+
+def scratch_model(reference):
+    """A reference Model over the same weights (shared, not copied) whose indexer picks past
+    WARM_TOP_K rows instead of the config's top_k (512 for Flash: 2051 positions). Numba compiles
+    a kernel per argument types, never per length, so a short pass through it reaches the very
+    kernels and signatures a long prompt reaches, at a cost of a few rows."""
+    from .model import Model
+    weights = copy.copy(reference.weights)  # the tensors and their caches are shared
+    weights.config = dataclasses.replace(reference.config, indexer_top_k=WARM_TOP_K)
+    return Model(weights, reference.numerics)
+
+
+def warm_up(reference, mtp=None, max_pass_rows: int = PREFILL_ROWS) -> float:
+    """Every Numba kernel a request can reach, compiled or loaded from the cache, through a
+    scratch NumpyBackend of one slot over `scratch_model(reference)` (a reference Model), in the
+    serving storage:
+    - a prompt pass of WARM_ROWS rows (BOS at positions 0..7) whose last row is past the
+      indexer's threshold, then a decode row: the sequential kernels, the indexer's included;
+    - where the server's passes may hold PARALLEL_ROWS rows (max_pass_rows), a pass of
+      PARALLEL_ROWS rows, every one of them picking: the threaded twins (`*_par`);
+    - mtp (the serving backend's MTP block, when the server speculates): after each pass, its
+      rows fed to the MTP block and two drafts, the second a chained single-row step.
+    Returns the seconds it took; the serving backend is not touched."""
+    from .mtp import MTP
     from .numpy_backend import NumpyBackend
     t0 = time.perf_counter()
-    backend = NumpyBackend(reference)
-    backend.configure(1, 1)
-    backend.set_block_table(0, [0])
-    bos = reference.config.bos_id
-    last = [p == WARM_ROWS - 1 for p in range(WARM_ROWS)]
-    backend.step(StepPlan.from_rows([Row(0, p, bos, last[p], last[p]) for p in range(WARM_ROWS)],
-                                    backend.max_pass_rows))
-    backend.step(StepPlan.from_rows([Row(0, WARM_ROWS, bos)], backend.max_pass_rows))
+    model = scratch_model(reference)
+    passes = [WARM_ROWS, 1] + ([PARALLEL_ROWS] if max_pass_rows >= PARALLEL_ROWS else [])
+    backend = NumpyBackend(model, max(passes), None if mtp is None else MTP(model, mtp.weights))
+    backend.configure(1, -(-sum(passes) // PAGE_TOKENS))
+    backend.set_block_table(0, list(range(backend.n_pages)))
+    bos, first = reference.config.bos_id, 0
+    for n in passes:
+        positions = range(first, first + n)
+        backend.step(StepPlan.from_rows([Row(0, p, bos, p == positions[-1], p == positions[-1])
+                                         for p in positions], backend.max_pass_rows))
+        if mtp is not None:
+            backend.draft([DraftRequest(0, tuple(positions), (bos,) * n, 2)])
+        first += n
     return time.perf_counter() - t0

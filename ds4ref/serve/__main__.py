@@ -168,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _warm_up(state, backend: str) -> None:
-    """Compile (first start after an install) or load the decode pass's Numba kernels before
-    listening, reporting each compile, now and for the rest of the process (a prompt pass's
-    threaded kernels compile at the first pass of that size)."""
+    """Before listening, what a request would otherwise pay the first time: on the numpy backend
+    every Numba kernel a request can reach, compiled (first start after an install) or loaded
+    (reference/warmup.py), each compile reported, now and for the rest of the process; on both
+    backends llguidance's matcher tokenizer, built once per vocabulary for structured output."""
     from ..reference.warmup import report_compiles, warm_up
+    from .structured import warm_structured
     report = report_compiles(lambda line: print(line, flush=True))
     if backend == "numpy":
-        seconds = warm_up(state.runner.scheduler.engine.backend.model)
+        engine = state.runner.scheduler.engine
+        seconds = warm_up(engine.backend.model, engine.backend.mtp if engine.speculative_tokens else None,
+                          state.runner.scheduler.max_batched_rows)
         if report.compiled:
             print(f"numba: {len(report.compiled)} kernels ready in {seconds:.1f} s", flush=True)
+    warm_structured(state.tokenizer)
 
 
 def _dry_run(args) -> int:
