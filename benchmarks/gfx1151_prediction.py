@@ -3,6 +3,7 @@ pass reads by weight family and its floor at 212 GB/s for C = 1, 4 and 16, and t
 gfx1151 resources and instruction mix from their code objects. A gpu_check.sh report from a Strix
 Halo is held against these tables (docs/rocm.md).
 
+    python -m ds4ref.hip.amd_build --wheel-dir D    # once: HIPRTC's header from the rocm-llvm-python wheel in D
     python benchmarks/gfx1151_prediction.py --out docs/results/gfx1151_prediction.md
 """
 from __future__ import annotations

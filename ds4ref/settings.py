@@ -15,6 +15,8 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "DS4REF_PROGRESS": ("1", "0 hides the progress bars (weight upload, conversion, compiles)"),
     "DS4REF_GPU_RUNTIME": ("", "hip or cuda: the GPU runtime to open; empty: the first that works"),
     "DS4REF_KERNEL_DEFINES": ("", "extra -DNAME=VALUE macros for every kernel compile (tuning experiments)"),
+    "DS4REF_HIPRTC_HEADER": ("", "HIPRTC's hiprtc_runtime.h for the offline AMD build (hip/amd_build.py); empty: "
+                             "~/.cache/ds4ref/hiprtc/, where amd_build --wheel-dir unpacks it"),
     "DS4REF_KERNEL_CACHE": ("", "folder of compiled kernels (hip/kernel_cache.py); empty: ~/.cache/ds4ref/kernels; off: none"),
     "DS4REF_MATVEC_RPW": ("", "forces the matvec's rows per warp (1, 2 or 4); empty: by shape"),
     "DS4REF_PREFILL_RPW": ("2", "the matvec's rows per warp in prompt passes"),

@@ -16,7 +16,8 @@ from ds4ref.hip import amd_build
 from ds4ref.hip.builds import runtime_builds, tuning_builds
 
 try:
-    TOOLCHAIN = amd_build.find_toolchain()
+    from pypi_assets import cache_dir
+    TOOLCHAIN = amd_build.find_toolchain(amd_build.unpack_header(cache_dir(), cache_dir() / "hiprtc" / "hiprtc_runtime.h"))
 except amd_build.MissingToolchain as exc:
     if os.environ.get("CI"):
         pytest.fail(f"{exc}; CI must build the kernels for gfx1151 (.ci/run installs the toolchain)",

@@ -110,17 +110,20 @@ def completion(client, prompt, **kw):
                                      extra_body={"ignore_eos": True}, **kw)
 
 
-def test_the_client_gets_a_500_in_openais_shape_and_the_others_their_text(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    solo = [completion(client, p).choices[0].text for p in (A, B)]
-
-    async def together():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def together(url):
+    """A, BAD and B sent at once: their answers (BAD's an exception), in that order."""
+    async def send():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         return await asyncio.gather(*(aclient.completions.create(
             model="ds4-tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
             for p in (A, BAD, B)), return_exceptions=True)
+    return asyncio.run(send())
 
-    a, bad, b = asyncio.run(together())
+
+def test_the_client_gets_a_500_in_openais_shape_and_the_others_their_text(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    solo = [completion(client, p).choices[0].text for p in (A, B)]
+    a, bad, b = together(server.url)
     assert isinstance(bad, openai.InternalServerError) and bad.status_code == 500
     assert bad.body["code"] == NON_FINITE_VALUES and bad.body["type"] == "server_error"
     assert bad.body["param"] is None and "NaN or an infinity" in bad.body["message"]

@@ -197,9 +197,10 @@ def test_non_streaming_disconnect_cancels(server):
 
 def test_a_client_that_never_reads_does_not_slow_the_others():
     """One raw-socket client sends a long streaming request and never reads a byte; fifteen
-    others finish, with the texts they get alone, while its events wait unread in its stream:
-    the runner never waits on a client. Nothing here gives up on the silent client (no stall
-    timeout, no bound on unread events), so a runner that waited on it would serve nobody."""
+    others finish, with the texts they get alone, while its request is still streaming (its
+    events go to buffers nobody reads): the runner never waits on a client. Nothing here gives
+    up on the silent client (no stall timeout, no bound on unread events), so a runner that
+    waited on it would serve nobody."""
     with LiveServer(max_concurrency=16, max_context=1024, stall_timeout=0, max_pending=1 << 20) as server:
         async def fifteen():
             async with httpx.AsyncClient(timeout=120) as c:
@@ -220,7 +221,9 @@ def test_a_client_that_never_reads_does_not_slow_the_others():
             (silent,) = streams.values()
             loaded = asyncio.run(fifteen())
             assert all(f == "length" for _, f in loaded) and loaded == alone
-            assert silent.aborted is None and len(silent._items) > 0  # its events wait, unread
+            # still streaming to nobody (its first events may sit in the server's socket buffers
+            # rather than the stream's queue, so the queue's length proves nothing)
+            assert silent.aborted is None and silent.req_id in streams
             assert server.runner.metrics.slow_client_cancels.value() == 0
         finally:
             sock.close()

@@ -8,8 +8,8 @@ object, whose metadata gives each kernel's registers, scratch and LDS (docs/rocm
 
     python -m ds4ref.hip.amd_build --arch gfx1151       # every build, a line per kernel
 
-DS4REF_HIPRTC_HEADER names the header file; else it is looked for in the test asset cache
-(DS4REF_TEST_CACHE, where .ci/run downloads the wheel) and unpacked beside the wheel.
+The header is DS4REF_HIPRTC_HEADER's file, else ~/.cache/ds4ref/hiprtc/hiprtc_runtime.h, which
+`--wheel-dir D` unpacks from a rocm-llvm-python wheel in D (the tests take it from their cache).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..settings import getenv
 from .builds import runtime_builds
 from .runtime import hiprtc_options, load_source
 
@@ -55,43 +56,38 @@ class Toolchain:
     header: Path
 
 
-def _cache_dirs() -> list[Path]:
-    where = os.environ.get("DS4REF_TEST_CACHE")
-    return [Path(where)] if where else [Path.home() / ".cache" / "ds4ref-tests"]
+HEADER_HOME = Path.home() / ".cache" / "ds4ref" / "hiprtc" / HEADER
 
 
-def _find_header() -> Path | None:
-    named = os.environ.get("DS4REF_HIPRTC_HEADER")
-    if named:
-        return Path(named) if Path(named).is_file() else None
-    for folder in _cache_dirs():
-        unpacked = folder / "hiprtc" / HEADER
-        if unpacked.is_file():
-            return unpacked
-        for wheel in sorted(folder.glob(HEADER_WHEEL)):
-            unpacked.parent.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(wheel) as z, z.open(HEADER_IN_WHEEL) as src:
-                tmp = unpacked.with_suffix(".tmp")
-                tmp.write_bytes(src.read())
-                tmp.replace(unpacked)
-            return unpacked
+def unpack_header(wheel_dir: Path, to: Path = HEADER_HOME) -> Path | None:
+    """HIPRTC's header from a rocm-llvm-python wheel in wheel_dir, unpacked to `to` (once)."""
+    if to.is_file():
+        return to
+    for wheel in sorted(Path(wheel_dir).glob(HEADER_WHEEL)):
+        to.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z, z.open(HEADER_IN_WHEEL) as src:
+            tmp = to.with_name(f"{to.name}.{os.getpid()}.tmp")  # test workers unpack at once
+            tmp.write_bytes(src.read())
+            tmp.replace(to)
+        return to
     return None
 
 
-def find_toolchain() -> Toolchain:
-    """clang with the AMD targets, the device bitcode and HIPRTC's header, or MissingToolchain
-    naming each missing piece and its install."""
+def find_toolchain(header: Path | None = None) -> Toolchain:
+    """clang with the AMD targets, the device bitcode and HIPRTC's header (`header`, else the
+    DS4REF_HIPRTC_HEADER setting, else ~/.cache/ds4ref/hiprtc/), or MissingToolchain naming each
+    missing piece and its install."""
     missing = []
     clang = next((c for c in CLANG if shutil.which(c) and _has_gfx11(c)), None)
     if clang is None:
-        missing.append("clang with the gfx11 targets (apt-get install clang-19 lld-19)")
+        missing.append("clang with the gfx11 targets (apt-get install clang-19)")
     bitcode = next((Path(d) for d in BITCODE_DIRS if (Path(d) / "ocml.bc").is_file()), None)
     if bitcode is None:
         missing.append("the ROCm device bitcode ocml.bc (apt-get install rocm-device-libs)")
-    header = _find_header()
-    if header is None:
-        missing.append(f"HIPRTC's {HEADER} (pip download --no-deps rocm-llvm-python==7.2.2.562.46 into "
-                       f"{_cache_dirs()[0]}, or set DS4REF_HIPRTC_HEADER)")
+    header = Path(header or getenv("DS4REF_HIPRTC_HEADER") or HEADER_HOME)
+    if not header.is_file():
+        missing.append(f"HIPRTC's {HEADER} at {header} (pip download --no-deps rocm-llvm-python==7.2.2.562.46 "
+                       f"-d D, then python -m ds4ref.hip.amd_build --wheel-dir D)")
     if missing:
         raise MissingToolchain("cannot build for AMD: missing " + "; ".join(missing))
     return Toolchain(clang, bitcode, header)
@@ -213,7 +209,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ds4ref.hip.amd_build", description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="gfx1151")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--wheel-dir", type=Path, default=None, help="a folder holding a rocm-llvm-python wheel")
     args = p.parse_args(argv)
+    if args.wheel_dir is not None and unpack_header(args.wheel_dir) is None:
+        p.error(f"no {HEADER_WHEEL} in {args.wheel_dir}")
     print(f"{'kernel':44s} {'build':24s} {'vgpr':>5s} {'waves':>5s} {'scratch':>7s} {'lds':>6s}")
     for b in build_all(args.arch, jobs=args.jobs):
         if isinstance(b, BuildError):

@@ -99,17 +99,10 @@ def overflow_servers(rt, tmp_path_factory):
 def test_the_overflowing_request_fails_alone_on_the_gpu(overflow_servers):
     """The request that feeds POISON gets the 500 non_finite_values, streamed after the token it
     had or before any; the requests beside it get the NumPy server's text, alone."""
-    from test_non_finite_values import A, B, BAD, C, NEW, POISON
+    from test_non_finite_values import A, B, C, NEW, POISON, together
     hip, ref = overflow_servers
     want = [greedy(ref.url, p, NEW) for p in (A, B)]
-
-    async def together():
-        client = openai.AsyncOpenAI(base_url=hip.url + "/v1", api_key="unused", max_retries=0)
-        return await asyncio.gather(*(client.completions.create(
-            model="ds4-tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
-            for p in (A, BAD, B)), return_exceptions=True)
-
-    a, bad, b = asyncio.run(together())
+    a, bad, b = together(hip.url)
     assert isinstance(bad, openai.InternalServerError) and bad.body["code"] == "non_finite_values"
     assert [a.choices[0].text, b.choices[0].text] == want
     client = openai.OpenAI(base_url=hip.url + "/v1", api_key="unused", max_retries=0)
