@@ -132,18 +132,25 @@ def test_the_client_gets_a_500_in_openais_shape_and_the_others_their_text(server
     assert completion(client, A).choices[0].text == solo[0]
 
 
-def test_a_stream_ends_with_the_error_event_after_the_tokens_it_had(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def poisoned_stream(url):
+    """(the text streamed, the APIError that ended it) of C streamed with POISON forced."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     texts = []
     with pytest.raises(openai.APIError) as err:
         for chunk in client.completions.create(model="ds4-tiny", prompt=C, max_tokens=NEW, temperature=0,
                                                stream=True, logit_bias={str(POISON): 100},
                                                extra_body={"ignore_eos": True}):
             texts.append(chunk.choices[0].text)
+    return "".join(texts), err
+
+
+def test_a_stream_ends_with_the_error_event_after_the_tokens_it_had(server):
+    text, err = poisoned_stream(server.url)
     assert err.value.code == NON_FINITE_VALUES and "NaN or an infinity" in err.value.message
     tok = ds4ref.load().tokenizer
-    assert "".join(texts) == tok.decode([POISON])  # the token before the overflow was delivered
+    assert text == tok.decode([POISON])  # the token before the overflow was delivered
     # before any token, a stream is refused with the status and body of a plain request
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.InternalServerError) as err:
         list(client.completions.create(model="ds4-tiny", prompt=BAD, max_tokens=NEW, stream=True))
     assert err.value.body["code"] == NON_FINITE_VALUES
