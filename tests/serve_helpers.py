@@ -118,12 +118,12 @@ def stand_in_hip_state(logits_of, max_concurrency: int = 2, max_context: int = 1
     head rows' argmax and logits fetched for the right rows) on the recorded runtime of
     tests/test_hip_program.py, which checks every launch and runs nothing. What the device
     would compute comes from a stand-in: an emitting row's logits are `logits_of(token, position)`
-    of the token it feeds, and its argmax the kernel's (ops.NON_FINITE_ROW for a row holding a
+    of the token it feeds, and its argmax the kernel's (launch.NON_FINITE_ROW for a row holding a
     NaN or an infinity)."""
     import numpy as np
 
     import ds4ref
-    from ds4ref.hip import ops as K
+    from ds4ref.hip import launch as K
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.buffers import DeviceBuffer
     from ds4ref.hip.device_state import LANE_FIELDS

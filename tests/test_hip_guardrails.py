@@ -25,7 +25,7 @@ def _has_gpu() -> bool:
 
 def test_import_needs_no_gpu_library():
     # a fresh interpreter, so nothing imported earlier can mask a top-level GPU import
-    code = ("import sys, ds4ref.hip, ds4ref.hip.ops, ds4ref.hip.guards; "
+    code = ("import sys, ds4ref.hip, ds4ref.hip.launch, ds4ref.hip.twins, ds4ref.hip.guards; "
             "bad = [m for m in ('hip', 'cuda', 'cuda.bindings', 'cupy', 'torch', 'gguf') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -106,13 +106,13 @@ def test_weight_type_refusal_names_tensor():
         guards.check_weight_types({"blk.0.attn_kv.weight": "Q8_0", "blk.3.ffn_gate_exps.weight": "Q3_K"})
 
 
-def test_ops_module_importable_and_host_encodings_roundtrip():
+def test_layouts_module_importable_and_host_encodings_roundtrip():
     import numpy as np
-    ops = importlib.import_module("ds4ref.hip.ops")
+    layouts = importlib.import_module("ds4ref.hip.layouts")
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 64)).astype(np.float32)
-    raw = ops.quantize_q8_0(w)
+    raw = layouts.quantize_q8_0(w)
     assert raw.shape == (3, 2 * 34)
-    assert np.max(np.abs(ops.dequantize_q8_0(raw) - w)) <= np.max(np.abs(w)) / 127
-    b = ops.f32_to_bf16_bits(w)
-    assert np.max(np.abs(ops.bf16_bits_to_f32(b) - w) / np.abs(w)) <= 2 ** -8
+    assert np.max(np.abs(layouts.dequantize_q8_0(raw) - w)) <= np.max(np.abs(w)) / 127
+    b = layouts.f32_to_bf16_bits(w)
+    assert np.max(np.abs(layouts.bf16_bits_to_f32(b) - w) / np.abs(w)) <= 2 ** -8

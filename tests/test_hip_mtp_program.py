@@ -222,7 +222,7 @@ def test_random_policy_mtp_block_records_beside_its_model(rt, numerics):  # noqa
 def test_a_draft_from_logits_that_are_not_finite_is_a_valid_token(model, rt):
     """An MTP row whose logits overflowed (ds4_argmax: NON_FINITE_ROW) still drafts a token of
     the vocabulary: drafts are only ever checked by the verifying pass, so any valid one will do."""
-    from ds4ref.hip import ops as K
+    from ds4ref.hip import launch as K
     b = backend_with_mtp(model, rt)
     b.reset_slot(0)
     b.set_block_table(0, [0])

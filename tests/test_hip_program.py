@@ -12,7 +12,9 @@ import types
 import numpy as np
 import pytest
 
-from ds4ref.hip import ops as K
+from ds4ref.hip import buffers
+from ds4ref.hip import launch as K
+from ds4ref.hip.layouts import QUANT_WTYPES
 from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_state import DeviceState
 from ds4ref.paging.compact import index_row_bytes as compact_index_bytes, kv_row_bytes as compact_kv_bytes
@@ -99,7 +101,7 @@ def rt(monkeypatch):
         if off + n > buf.nbytes:
             pytest.fail(f"view [{off}, {off + n}) past a buffer of {buf.nbytes} bytes")
         return Buf(n)
-    monkeypatch.setattr(K, "view", view)
+    monkeypatch.setattr(buffers, "view", view)
     return RecordingRuntime()
 
 
@@ -149,7 +151,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
         # activations that several products read are quantised once, by their producer
         assert quantised and len(quantise) < len(quantised)
         assert sum(op[0].name == "ds4_quantize_q8" for op in quantise) < len(quantise)
-        assert all(t.packed for n, t in dw.mats.items() if t.wtype in K.QUANT_WTYPES and n != "token_embd.weight")
+        assert all(t.packed for n, t in dw.mats.items() if t.wtype in QUANT_WTYPES and n != "token_embd.weight")
     else:
         assert not quantised and not quantise
 

@@ -173,7 +173,7 @@ def test_bad_memory_budgets(text):
 # ---- the hip backend: the plan counts what HipBackend.configure allocates ----------------------------------
 
 class _Buffer:
-    rt, ptr = None, 0  # what ops.view reads
+    rt, ptr = None, 0  # what buffers.view reads
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from ds4ref.hip import ops as K
+from ds4ref.hip import buffers
 from ds4ref.hip.op_cases import CASES, run_case
 from test_hip_program import RecordingRuntime
 
@@ -49,7 +49,7 @@ def test_table_covers_the_backends_kernels(monkeypatch):
     from ds4ref.reference.layers import Tables
     from ds4ref.gguf.tiny import tiny_config
     from test_hip_program import Buf
-    monkeypatch.setattr(K, "view", lambda buf, off, n: Buf(n))
+    monkeypatch.setattr(buffers, "view", lambda buf, off, n: Buf(n))
     rt = RecordingRuntime()
     for numerics in ("official", "plain"):
         cfg = tiny_config()

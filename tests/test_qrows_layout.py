@@ -1,4 +1,4 @@
-"""The weight layout the quantised products read (ops.pack_qrows), checked on the host.
+"""The weight layout the quantised products read (layouts.pack_qrows), checked on the host.
 
 The kernels (qdot.hip) read the repacked rows instead of the file's blocks, so the repack
 must keep every byte, and what a kernel reads from it must be the codes, multipliers, mins
@@ -12,7 +12,7 @@ import pytest
 
 from ds4ref.gguf.quant_codes import quant_codes
 from ds4ref.gguf.tiny import random_blocks
-from ds4ref.hip import ops as g
+from ds4ref.hip import layouts as g
 
 WIDTHS = (256, 512, 768, 2048, 4096)
 

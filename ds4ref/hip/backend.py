@@ -43,7 +43,9 @@ from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
 from ..gguf.config import CSA
 from ..reference.state import ATTN, INDEX, row_kinds
-from . import ops as K
+from . import launch as K
+from . import buffers
+from .layouts import QUANT_WTYPES
 from .device_state import LANE_FIELDS, DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import check_fits_device, open_device
@@ -116,7 +118,7 @@ class HipBackend:
         self.w = device_weights if device_weights is not None else DeviceWeights.from_weights(
             runtime, reference_model.weights, self.quantised_products)
         for name, t in self.w.mats.items():
-            if name != "token_embd.weight" and t.wtype in K.QUANT_WTYPES and t.packed != self.quantised_products:
+            if name != "token_embd.weight" and t.wtype in QUANT_WTYPES and t.packed != self.quantised_products:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
                                  f"numerics, the model runs {self.numerics}")
         for il in range(self.cfg.n_layer):  # one launch for each pair (_mv_joint)
@@ -293,7 +295,7 @@ class HipBackend:
                 continue
             argmax[i] = amax[e]
             if rows[i].want_logits:
-                logits[i] = self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
+                logits[i] = self.rt.download(buffers.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
         return StepResult(logits, argmax, frozenset(non_finite))
 
     def bucket(self, n_rows: int) -> int:
@@ -358,7 +360,7 @@ class HipBackend:
         # MTP logits that overflowed still make a draft, a valid token the verifying pass refuses
         # unless the model chooses it too: drafts never change the output
         amax = np.where(amax == K.NON_FINITE_ROW, 0, amax).astype(I32)
-        rows = [self.rt.download(K.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
+        rows = [self.rt.download(buffers.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
                 for e in range(n)] if want_logits else []
         return amax, rows
 
@@ -445,7 +447,7 @@ class HipBackend:
             self.rt.memset32(buf, 0, L * n * parts)
             self._ws[name] = buf
         for b, a in second.items():
-            self._ws[b] = K.view(self._ws[a], 4 * L * sizes[a], 4 * L * sizes[b])
+            self._ws[b] = buffers.view(self._ws[a], 4 * L * sizes[a], 4 * L * sizes[b])
         self._log_lanes = R = round_log_lanes(L)
         per_layer = 4 * R * sum(sizes[n] for n in COMMIT_INPUTS)
         log = self.rt.malloc(self.cfg.n_layer * per_layer)
@@ -455,7 +457,7 @@ class HipBackend:
         for il in range(self.cfg.n_layer):
             at, views = il * per_layer, {}
             for name in COMMIT_INPUTS:
-                views[name] = K.view(log, at, 4 * R * sizes[name])
+                views[name] = buffers.view(log, at, 4 * R * sizes[name])
                 at += 4 * R * sizes[name]
             self._round_log.append(views)
         ws = self._ws
@@ -631,7 +633,7 @@ class HipBackend:
                     I32(st.row_format(kind)), I32(c.n_rot), st.lane("slot"), st.lane("pos")))
 
     def _qat(self, rec, x, out, rows, n):
-        """Hadamard rotation then FP4 blocks (ops.qat)."""
+        """Hadamard rotation then FP4 blocks (twins.qat)."""
         K.launch_qat(rec, x, self.hadamard, out, rows, n, self.state.lane("slot"), rows // rec.L)
         return out
 

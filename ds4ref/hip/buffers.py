@@ -43,3 +43,10 @@ def load_source(filename: str) -> str:
         return re.sub(r'^#include "([A-Za-z0-9_]+\.h)"[ \t]*$', paste, text, flags=re.M)
 
     return inline(path.read_text())
+
+
+def view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
+    """A non-owning DeviceBuffer at buf + offset (its free() does nothing): free `buf`."""
+    if offset + nbytes > buf.nbytes:
+        raise ValueError(f"view of {nbytes} B at {offset} exceeds {buf}")
+    return DeviceBuffer(buf.rt, buf.ptr + offset, nbytes, owned=False)

@@ -25,6 +25,7 @@ from ..backend import DECODE_LANES, check_block_table
 from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
 from ..gguf.config import CSA
 from ..reference.state import ATTN, INDEX, row_kinds
+from . import buffers
 
 # kernels/step_state.hip's row formats
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2
@@ -190,13 +191,11 @@ class DeviceState:
         return self._field(len(LANE_FIELDS) + self.ratios.index(ratio))
 
     def _field(self, i: int):
-        from .ops import view
-        return view(self.lanes, i * self.n_lanes * 4, self.n_lanes * 4)
+        return buffers.view(self.lanes, i * self.n_lanes * 4, self.n_lanes * 4)
 
     def ring_layer(self, il: int):
-        from .ops import view
         at = il * self.cfg.sliding_window * self.row_bytes[ATTN]
-        return view(self.rings, at, self.rings.nbytes - at)
+        return buffers.view(self.rings, at, self.rings.nbytes - at)
 
     def row_format(self, kind: str) -> int:
         return row_format(kind, self.compact)
@@ -209,18 +208,17 @@ class DeviceState:
     def reset_slot(self, slot: int) -> None:
         self.check_slot(slot)
         rt = self.rt
-        from .ops import view
-        rt.memset32(view(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes), 0,
+        rt.memset32(buffers.view(self.rings, slot * self.ring_slot_bytes, self.ring_slot_bytes), 0,
                     self.ring_slot_bytes // 4)
         for cs in self.comps.values():
             coff = 2 if cs.ratio == CSA else 1
             n = cs.ratio * coff * cs.width
             for buf in (cs.cur_kv, cs.cur_sc):
-                rt.memset32(view(buf, slot * n * 4, n * 4), 0, n)
+                rt.memset32(buffers.view(buf, slot * n * 4, n * 4), 0, n)
             if cs.ratio == CSA:
                 m = 4 * cs.width
-                rt.memset32(view(cs.prev_kv, slot * m * 4, m * 4), 0, m)
-                rt.memset32(view(cs.prev_sc, slot * m * 4, m * 4), NEG_INF_BITS, m)
+                rt.memset32(buffers.view(cs.prev_kv, slot * m * 4, m * 4), 0, m)
+                rt.memset32(buffers.view(cs.prev_sc, slot * m * 4, m * 4), NEG_INF_BITS, m)
         self.tables[slot] = np.zeros(0, np.int64)  # its pages are zeroed when mapped again
         self.next_pos[slot] = 0
         self._upload_table(slot)
@@ -289,12 +287,11 @@ class DeviceState:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Device-to-device: page dst of every page store becomes page src's."""
-        from .ops import view
         if not (0 <= src < self.n_pages and 0 <= dst < self.n_pages and src != dst):
             raise ValueError(f"cannot copy page {src} to page {dst} of {self.n_pages}")
         for (il, kind), buf in self.pages.items():
             n = self.layout.rows_per_page(self.cfg.compress_ratios[il]) * self.row_bytes[kind]
-            self.rt.d2d(view(buf, dst * n, n), view(buf, src * n, n), n)
+            self.rt.d2d(buffers.view(buf, dst * n, n), buffers.view(buf, src * n, n), n)
 
     def set_block_table(self, slot: int, pages: Sequence[int]) -> None:
         self.check_slot(slot)
@@ -313,16 +310,14 @@ class DeviceState:
 
     # ---- internals ------------------------------------------------------------------
     def _upload_table(self, slot: int) -> None:
-        from .ops import view
         row = np.zeros(self.maxp, np.int32)
         t = self.tables[slot]
         row[: t.size] = t
-        self.rt.h2d(view(self.btab, slot * self.maxp * 4, self.maxp * 4), row)
+        self.rt.h2d(buffers.view(self.btab, slot * self.maxp * 4, self.maxp * 4), row)
 
     def _zero_pages(self, pages: np.ndarray) -> None:
-        from .ops import view
         for (il, kind), buf in self.pages.items():
             ratio = self.cfg.compress_ratios[il]
             n = self.layout.rows_per_page(ratio) * self.row_bytes[kind]
             for p in np.asarray(pages, np.int64):
-                self.rt.memset32(view(buf, int(p) * n, n), 0, n // 4)
+                self.rt.memset32(buffers.view(buf, int(p) * n, n), 0, n // 4)

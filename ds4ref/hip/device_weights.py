@@ -21,7 +21,8 @@ from ..console import progress
 from ..gguf.mtp import PREFIX as MTP_PREFIX
 from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
 from .guards import check_fits_device, check_weight_types
-from .ops import BLOCK_QUANTS, QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows, view
+from .buffers import view
+from .layouts import BLOCK_QUANTS, QUANT_WTYPES, DeviceWeight, f32_to_bf16_bits, pack_qrows
 
 WTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 _GGML_TO_WTYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q2_K": "q2_k", "Q4_K": "q4_k",
@@ -51,7 +52,7 @@ class DeviceTensor:
     buf: object
     wtype: str
     shape: tuple
-    packed: bool = False  # ops.pack_qrows' layout, read by the quantised products
+    packed: bool = False  # layouts.pack_qrows' layout, read by the quantised products
 
     def as_matrix(self) -> DeviceWeight:
         rows = int(np.prod(self.shape[:-1]))
@@ -64,7 +65,7 @@ def is_vector(name: str, shape) -> bool:
 
 
 def takes_packed(name: str, wtype: str, quantised_products: bool) -> bool:
-    """Whether a matrix goes up in ops.pack_qrows' layout: the block-quantised ones the quantised
+    """Whether a matrix goes up in layouts.pack_qrows' layout: the block-quantised ones the quantised
     products read (official numerics); the embedding is gathered by rows, never multiplied."""
     return quantised_products and wtype in QUANT_WTYPES and name != "token_embd.weight"
 
@@ -222,7 +223,7 @@ class DeviceWeights:
         routed experts, tiny_dtypes for the rest). The host makes one template of valid rows
         per (tensor kind, width), at most `template_bytes`, with the std the tiny model's init
         gives; each tensor is tiled from it on the device, row i taking a hashed template row
-        (block quants in ops.pack_qrows' layout when `quantised_products`)."""
+        (block quants in layouts.pack_qrows' layout when `quantised_products`)."""
         from ..gguf.tiny import tiny_dtypes
         self = cls(rt, config)
         dtypes = tiny_dtypes(config)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..backend import DraftRequest, Row, check_draft_requests
 from ..gguf.mtp import PREFIX
-from . import ops as K
+from . import launch as K
 from .device_state import DeviceState, lane_fields
 from .device_weights import WTYPE_CODE, DeviceWeights
 

@@ -4,14 +4,14 @@ Like llama.cpp's test-backend-ops, one table drives two modes:
 
 * test mode (tests/gpu/test_ops_gpu.py, `pytest -m gpu`): for each case, hypothesis draws a
   seed, a row count (a decode pass: 1-16 lanes; a prompt pass: up to 256 rows) and one value
-  of each of the case's parameters; `make` builds the inputs, and the ds4ref.hip.ops launcher
+  of each of the case's parameters; `make` builds the inputs, and the ds4ref.hip.twins wrapper of the launcher
   and its ds4ref.reference twin must agree bit for bit (`compare`);
 * perf mode (`python -m ds4ref.hip.op_cases --out FILE`, or benchmarks/ops_gpu.py): each
   case's `perf` times the device-level launches at DS4 Flash sizes against the
   memory-bandwidth floor.
 
 A case: name; the kernels it runs (a test checks the table covers every kernel the
-backend launches); `gpu` (a wrapper of ds4ref/hip/ops.py: numpy in, numpy out) and `ref` (the
+backend launches); `gpu` (a wrapper of ds4ref/hip/twins.py: numpy in, numpy out) and `ref` (the
 reference twin, or a small adapter when the reference spells the op differently); `params`
 (name -> the values drawn from); `rows` (which row counts: "decode", "prompt" or "one" for an
 op without lanes); `make(seed, rows, **params)` -> (gpu args, ref args[, gpu keywords]), or
@@ -33,7 +33,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import ops as g
+from ..backend import DECODE_LANES
+from . import launch as K
+from . import layouts
+from . import twins as g
 from ..reference import canon
 from ..reference import ops as ref
 
@@ -70,14 +73,14 @@ def make_weight(seed, n, k, wtype):
         w16 = w.astype(np.float16)
         return w16, w16.astype(F32)
     if wtype == "bf16":
-        b = g.f32_to_bf16_bits(w)
-        return b, g.bf16_bits_to_f32(b)
+        b = layouts.f32_to_bf16_bits(w)
+        return b, layouts.bf16_bits_to_f32(b)
     if wtype == "q8_0":
-        raw = g.quantize_q8_0(w)
-        return raw, g.dequantize_q8_0(raw)
+        raw = layouts.quantize_q8_0(w)
+        return raw, layouts.dequantize_q8_0(raw)
     from ..gguf.tiny import random_blocks
     raw = random_blocks(np.random.default_rng(seed), wtype.upper(), (n, k), 1.0 / math.sqrt(k)).data
-    return raw, g.dequantize(raw, wtype)
+    return raw, layouts.dequantize(raw, wtype)
 
 
 def canon_qlinear(x, raw, wtype):
@@ -85,7 +88,7 @@ def canon_qlinear(x, raw, wtype):
     return canon.qlinear(x, quant_codes(wtype.upper(), raw))
 
 
-def paged_lanes(rng, L, W, ratio, per, history) -> g.PagedLanes:
+def paged_lanes(rng, L, W, ratio, per, history) -> K.PagedLanes:
     """A pass of L lanes over a small paged state: slots own runs of consecutive lanes at
     consecutive positions (a prompt's rows, or one decode row), padding lanes (slot -1) after
     them; each slot's pages are a random permutation, its pass starting at a position below `history`."""
@@ -107,10 +110,10 @@ def paged_lanes(rng, L, W, ratio, per, history) -> g.PagedLanes:
         lane += c
     pos[slot < 0] = 0
     nvis = np.where(slot >= 0, (pos + 1) // ratio, 0).astype(I32)
-    return g.PagedLanes(slot, pos, pstart, flane, nvis, btab, per)
+    return K.PagedLanes(slot, pos, pstart, flane, nvis, btab, per)
 
 
-def paged_keys(lanes: g.PagedLanes, l, pass_kv, ring, store, sel):
+def paged_keys(lanes: K.PagedLanes, l, pass_kv, ring, store, sel):
     """The keys lane l attends to, in the canonical order: its raw positions oldest first (this
     pass's rows from pstart on, the ring's before), then its visible compressed rows."""
     s, p, W = lanes.slot[l], lanes.pos[l], ring.shape[1]
@@ -147,9 +150,9 @@ def ref_indexer_paged(qi, wraw, scale, store, lanes, ncap, kind=0):
 
 def _compact_rows(rows, kind, n_rot):
     """Random rows the compact form stores exactly: fp8sim rows (KV), qat rows (indexer)."""
-    if kind == g.ROW_KV:
+    if kind == K.ROW_KV:
         return ref.fp8sim(rows, n_rot)
-    if kind == g.ROW_IX:
+    if kind == K.ROW_IX:
         return ref.qat(rows, ref.hadamard(rows.shape[-1], F32))
     return rows
 
@@ -157,8 +160,8 @@ def _compact_rows(rows, kind, n_rot):
 def make_attention(seed, L, H, D, W, store, kind, span=1, epilogue="none"):
     """epilogue: what the combine adds to the output ("rope": the inverse RoPE, "rope+q8": and
     its int8 rows)."""
-    n_rot = 64 if kind == g.ROW_KV else 0
-    if kind == g.ROW_KV and (D - n_rot) % 64:
+    n_rot = 64 if kind == K.ROW_KV else 0
+    if kind == K.ROW_KV and (D - n_rot) % 64:
         return None
     rng = np.random.default_rng(seed)
     ratio, per = (4, 8) if store == "selected" else (128, 2) if store == "all" else (4, 8)
@@ -310,7 +313,7 @@ def make_grouped(seed, N, groups, hpg, D, rank, wtype):
 def make_joint(seed, L, G, n, kb, wtype):
     """G matrices of one shape read by one input (the compressor's kv and gate, the shared
     expert's gate and up); n rows past 64 (64 or fewer with K >= 2048 are K-split, run alone)."""
-    k = 32 * kb if g.BLOCK_QUANTS.get(wtype, (0, 32))[1] == 32 else 256 * max(1, kb // 8)
+    k = 32 * kb if layouts.BLOCK_QUANTS.get(wtype, (0, 32))[1] == 32 else 256 * max(1, kb // 8)
     made = [make_weight(seed + i, n, k, wtype) for i in range(G)]
     x = rnd(seed + G, L, k)
     return ([w for w, _ in made], x, wtype), (made, x, wtype)
@@ -318,7 +321,7 @@ def make_joint(seed, L, G, n, kb, wtype):
 
 def ref_joint(made, x, wtype):
     """Each product alone: the quantised ones canon.qlinear's of the GGUF rows, the rest linear."""
-    if wtype in g.QUANT_WTYPES:
+    if wtype in layouts.QUANT_WTYPES:
         return tuple(canon_qlinear(x, w, wtype) for w, _ in made)
     return tuple(ref.linear(x, wf) for _, wf in made)
 
@@ -451,7 +454,7 @@ class Bench:
         n = max(1, min(8, -(-4 * L2_BYTES // w.nbytes), total_cap // w.nbytes))
         out = []
         for _ in range(n):
-            dw = g.DeviceWeight.upload(self.rt, w, wtype)
+            dw = layouts.DeviceWeight.upload(self.rt, w, wtype)
             self.keep.append(dw.buf)
             out.append(dw)
         return out, w.nbytes
@@ -475,18 +478,18 @@ RPWS = (None, 1, 2, 4)  # None: the shipped policy; else the rows per warp force
 
 
 def perf_matvec(b, L):
-    rt, policy = b.rt, g.matvec_rows_per_warp
+    rt, policy = b.rt, K.matvec_rows_per_warp
     for name, n, k, wt in MATVEC_SHAPES:
         ws, wbytes = b.weights(n, k, wt)
         x, y = b.up(b.rnd(L, k)), b.out((L, n))
         for rpw in RPWS:
             if rpw:  # as DS4REF_MATVEC_RPW would force it (launch_matvec looks the policy up per call)
-                g.matvec_rows_per_warp = lambda rt, rows, L=16, r=rpw: r
+                K.matvec_rows_per_warp = lambda rt, rows, L=16, r=rpw: r
             try:
                 b.add(f"{name} [{f'r{rpw}' if rpw else 'policy'}]", L, wbytes + 4 * L * (k + n),
-                      [lambda w=w: g.launch_matvec(rt, w, x, y, L) for w in ws], f"{len(ws)} weight copies")
+                      [lambda w=w: K.launch_matvec(rt, w, x, y, L) for w in ws], f"{len(ws)} weight copies")
             finally:
-                g.matvec_rows_per_warp = policy
+                K.matvec_rows_per_warp = policy
 
 
 def perf_grouped(b, L):
@@ -494,7 +497,7 @@ def perf_grouped(b, L):
     ws, wbytes = b.weights(8 * 1024, 4096, "q8_0")
     x, y = b.up(b.rnd(L, 8 * 4096)), b.out((L, 8 * 1024))
     b.add("attn_output_a grouped q8_0 8x1024x4096", L, wbytes + 4 * L * (8 * 4096 + 8192),
-          [lambda w=w: g.launch_matvec(b.rt, w, x, y, L, groups=8, ldx=8 * 4096, xg=4096, ldy=8192) for w in ws])
+          [lambda w=w: K.launch_matvec(b.rt, w, x, y, L, groups=8, ldx=8 * 4096, xg=4096, ldy=8192) for w in ws])
 
 
 def _flash_routing(b, L):
@@ -502,14 +505,14 @@ def _flash_routing(b, L):
     for L lanes among the backend's 16: (E, kk, ff, d, lanes, a launcher of step_expert_list that
     returns its list, experts touched)."""
     E, kk, ff, d = 256, 6, 2048, 4096
-    P = max(L, g.MAX_LANES)
+    P = max(L, DECODE_LANES)
     ids = np.stack([b.rng.choice(E, kk, replace=False) for _ in range(P)]).astype(I32)
     slot = np.where(np.arange(P) < L, np.arange(P), -1).astype(I32)
     idb, slb = b.up(ids), b.up(slot)
-    elist = b.out((g.expert_list_ints(E, kk, P),), I32)
+    elist = b.out((K.expert_list_ints(E, kk, P),), I32)
 
     def make_list():
-        g.launch_expert_list(b.rt, idb, slb, P, kk, E, elist)
+        K.launch_expert_list(b.rt, idb, slb, P, kk, E, elist)
         return elist
     return E, kk, ff, d, P, make_list, len(np.unique(ids[:L]))
 
@@ -520,7 +523,7 @@ def perf_experts(b, L):
     bytes are counted."""
     rt = b.rt
     E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
-    one = g.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
+    one = layouts.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
     for name, N, K, per_choice in (("experts gate bf16 256x2048x4096", ff, d, 0),
                                    ("experts down bf16 256x4096x2048", d, ff, 1)):
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
@@ -528,7 +531,7 @@ def perf_experts(b, L):
         y = b.out((P * kk, N))
         for r in (1, 2, 4):
             def run(r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb):
-                g.launch_routed_experts(rt, wb, "bf16", r, x, pc, make_list(), y, N, K, kk)
+                K.launch_routed_experts(rt, wb, "bf16", r, x, pc, make_list(), y, N, K, kk)
             b.add(f"{name} [r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N), [run],
                   f"{touched} experts touched")
 
@@ -541,24 +544,24 @@ def perf_qexperts(b, L):
     E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
     for name, wtype, N, K, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
                                           ("experts down q2_k 256x4096x2048", "q2_k", d, ff, 1)):
-        one = g.pack_qrows(wtype, make_weight(0, N, K, wtype)[0])
+        one = layouts.pack_qrows(wtype, make_weight(0, N, K, wtype)[0])
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
         rows = P * kk if per_choice else P
-        q = g.Q8Rows.alloc(rt, rows * K)
+        q = K.Q8Rows.alloc(rt, rows * K)
         b.keep += [q.xq, q.dx, q.xs]
         x, y = b.up(b.rnd(rows, K)), b.out((P * kk, N))
 
         def run(N=N, K=K, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
             elist = make_list()
-            g.launch_quantize_q8(rt, x, q, rows, K)
-            g.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, K, kk)
+            K.launch_quantize_q8(rt, x, q, rows, K)
+            K.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, K, kk)
         b.add(name, L, touched * one.nbytes + 4 * L * kk * (K + N), [run], f"{touched} experts touched")
 
 
 def perf_rmsnorm(b, L):
     d = 4096
     x, y, w = b.up(b.rnd(L, d)), b.out((L, d)), b.up(b.rnd(d))
-    b.add("rmsnorm 4096", L, 4 * (2 * L * d + d), [lambda: g.launch_rmsnorm(b.rt, x, w, y, L, d, 1e-6)])
+    b.add("rmsnorm 4096", L, 4 * (2 * L * d + d), [lambda: K.launch_rmsnorm(b.rt, x, w, y, L, d, 1e-6)])
 
 
 def perf_hc_pre(b, L):
@@ -569,11 +572,11 @@ def perf_hc_pre(b, L):
     st, mix = b.up(b.rnd(L, hc, d)), b.out((L, mixn))
     base, scale = b.up(b.rnd(mixn)), b.up(np.ones(3, F32))
     u, post, comb = b.out((L, d)), b.out((L, hc)), b.out((L, hc, hc))
-    part = b.out((g.ksplit_floats(mixn, hc * d, L) or 1,))
+    part = b.out((K.ksplit_floats(mixn, hc * d, L) or 1,))
 
     def run(fw):
-        g.launch_matvec(rt, fw, st, mix, L, part=part)
-        g.launch_hc_pre_finish(rt, st, mix, base, scale, hc, d, 1e-6, 1e-6, 20, u, post, comb, L)
+        K.launch_matvec(rt, fw, st, mix, L, part=part)
+        K.launch_hc_pre_finish(rt, st, mix, base, scale, hc, d, 1e-6, 1e-6, 20, u, post, comb, L)
     b.add("hc_pre (K-split proj + sinkhorn) hc=4", L, fbytes + 4 * L * (2 * hc * d + d),
           [lambda fw=fw: run(fw) for fw in fws])
 
@@ -585,18 +588,18 @@ def perf_norm_rope(b, L):
     pos, cs = b.up(np.arange(L, dtype=I32)), b.up(b.rnd(L, half, 2))
     q, qo, w = b.up(b.rnd(L, H, D)), b.out((L, H, D)), b.up(b.rnd(D))
     b.add("norm_rope q 64h x 512", L, 4 * 2 * L * H * D,
-          [lambda: g.launch_norm_rope(b.rt, q, None, qo, L, H, D, 1e-6, pos, cs, half)])
+          [lambda: K.launch_norm_rope(b.rt, q, None, qo, L, H, D, 1e-6, pos, cs, half)])
     b.add("norm_rope kv 512 + fp8", L, 4 * (2 * L * D + D),
-          [lambda: g.launch_norm_rope(b.rt, q, w, qo, L, 1, D, 1e-6, pos, cs, half, fp8=True)])
+          [lambda: K.launch_norm_rope(b.rt, q, w, qo, L, 1, D, 1e-6, pos, cs, half, fp8=True)])
 
 
 def perf_rope(b, L):
     """q of 64 heads x 512, the last 64 dims rotated, positions read on the device."""
     H, D, half = 64, 512, 32
     v, pos, cs = b.up(b.rnd(L, H, D)), b.up(np.arange(L, dtype=I32)), b.up(b.rnd(L, half, 2))
-    k = g.kernel(b.rt, "step_ops", "step_rope_pos")
+    k = K.kernel(b.rt, "step_ops", "step_rope_pos")
     b.add("rope_pos 64h x 512 (64 rotated)", L, 4 * L * H * 2 * 2 * half,
-          [lambda: b.rt.launch(k, (g._blocks(L * H * half, 256),), (256,),
+          [lambda: b.rt.launch(k, (K._blocks(L * H * half, 256),), (256,),
                                (v, pos, cs, I32(L), I32(H), I32(D), I32(half), I32(0)))])
 
 
@@ -613,16 +616,16 @@ def perf_attention(b, L):
     ring, store = b.up(b.rnd(L, W, D)), b.up(b.rnd(L * maxp, per, D))
     sel = b.up(np.stack([np.sort(b.rng.choice(nvis, ksel, replace=False)) for _ in range(L)]).astype(I32))
     lane = [b.up(a) for a in (slot, pos, pos, slot, np.full(L, nvis, I32))]  # slot pos pstart flane nvis
-    nz = g._blocks(W + ksel, g.AT_SPLIT)
+    nz = K._blocks(W + ksel, K.AT_SPLIT)
     m, den, acc, out, bt = b.out((L, H, nz)), b.out((L, H, nz)), b.out((L, H, nz, D)), b.out((L, H, D)), b.up(btab)
-    rope, q8 = b.up(b.rnd(p + 1, 32, 2)), g.Q8Rows.alloc(rt, L * H * D)  # the backend's epilogue
+    rope, q8 = b.up(b.rnd(p + 1, 32, 2)), K.Q8Rows.alloc(rt, L * H * D)  # the backend's epilogue
     b.keep += [q8.xq, q8.dx, q8.xs]
 
     def run():
-        g.launch_attention_split(rt, H, L, nz,
+        K.launch_attention_split(rt, H, L, nz,
                                  (q, kv, ring, np.int64(W * D * 4), store, I32(0), I32(64), bt, I32(maxp), I32(per), sel, I32(ksel),
                                   *lane, I32(H), I32(D), I32(W), F32(1 / math.sqrt(D)), m, den, acc))
-        g.launch_attention_combine(rt, m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, ksel, W, H, D, nz,
+        K.launch_attention_combine(rt, m, den, acc, sinks, lane[0], lane[1], store, lane[4], sel, ksel, W, H, D, nz,
                                    out, L, rope=rope, half=32, q8=q8)
     b.add("attention paged 64h x 512, 128 ring + 512 sel (+ rope, int8 rows)", L,
           4 * L * ((W + ksel) * D + 2 * H * D), [run])
@@ -637,9 +640,9 @@ def perf_indexer(b, L):
     store, bt = b.up(b.rnd(L * maxp, per, Di)), b.up(np.arange(L * maxp, dtype=I32).reshape(L, maxp))
     slot, nv = b.up(np.arange(L, dtype=I32)), b.up(np.full(L, n, I32))
     sc, ids = b.out((L, n)), b.out((L, 512), I32)
-    kix, ktk = g.kernel(rt, "step_state", "step_indexer_paged"), g.kernel(rt, "indexer", "ds4_topk")
+    kix, ktk = K.kernel(rt, "step_state", "step_indexer_paged"), K.kernel(rt, "indexer", "ds4_topk")
     b.add("indexer paged 8192 rows, 64h x 128", L, 4 * L * (n * Di + n + Hi * Di),
-          [lambda: rt.launch(kix, (min(g._blocks(n, 8), 128), L), (256,),
+          [lambda: rt.launch(kix, (min(K._blocks(n, 8), 128), L), (256,),
                              (qi, wr, F32(0.01), store, I32(0), bt, I32(maxp), I32(per), slot, nv, sc, I32(Hi), I32(Di),
                               I32(n)))])
     b.add("top-512 of 8192", L, 4 * L * (n + 512),
@@ -647,11 +650,11 @@ def perf_indexer(b, L):
 
 
 def perf_pool(b, L):
-    D, k = 512, g.kernel(b.rt, "pool", "ds4_pool_window")
+    D, k = 512, K.kernel(b.rt, "pool", "ds4_pool_window")
     for C in (8, 128):  # ratio 4 (with the previous window's overlap lane), ratio 128
         kv, s, o = b.up(b.rnd(L, C, D)), b.up(b.rnd(L, C, D)), b.out((L, D))
         b.add(f"pool_window C={C} D=512", L, 4 * L * (2 * C * D + D),
-              [lambda kv=kv, s=s, o=o, C=C: b.rt.launch(k, (g._blocks(D, 32), L), (256,),
+              [lambda kv=kv, s=s, o=o, C=C: b.rt.launch(k, (K._blocks(D, 32), L), (256,),
                                                         (kv, s, o, I32(L), I32(C), I32(D)))])
 
 
@@ -661,27 +664,27 @@ def perf_qat(b, L):
     hq, ho = b.up(b.rnd(R, Di)), b.out((R, Di))
     hh = b.up(np.ascontiguousarray(ref.hadamard(Di, F32).T))  # the kernel reads the table transposed
     b.add("qat 64h x 128 (hadamard + e2m1)", L, 4 * (2 * R * Di + Di * Di),
-          [lambda: g.launch_qat(b.rt, hq, hh, ho, R, Di)])
+          [lambda: K.launch_qat(b.rt, hq, hh, ho, R, Di)])
 
 
 def perf_route(b, L):
     lg, bias, rid, rw = b.up(b.rnd(L, 256)), b.up(b.rnd(256, scale=0.1)), b.out((L, 6), I32), b.out((L, 6))
-    k = g.kernel(b.rt, "moe", "ds4_route")
+    k = K.kernel(b.rt, "moe", "ds4_route")
     b.add("route 256 -> 6", L, 4 * L * (256 + 12),
           [lambda: b.rt.launch(k, (L,), (256,), (lg, bias, None, I32(256), I32(6), F32(1.5), I32(1), rid, rw))])
 
 
 def perf_swiglu(b, L):
     ga, ua, ha = b.up(b.rnd(L, 2048)), b.up(b.rnd(L, 2048)), b.out((L, 2048))
-    k = g.kernel(b.rt, "moe", "ds4_swiglu_act")
+    k = K.kernel(b.rt, "moe", "ds4_swiglu_act")
     b.add("swiglu act 2048", L, 12 * L * 2048,
-          [lambda: b.rt.launch(k, (g._blocks(L * 2048, 256),), (256,), (ga, ua, ha, np.int64(L * 2048), F32(7.0)))])
+          [lambda: b.rt.launch(k, (K._blocks(L * 2048, 256),), (256,), (ga, ua, ha, np.int64(L * 2048), F32(7.0)))])
 
 
 def perf_argmax(b, L):
     V = 129280
     lo, am = b.up(b.rnd(L, V)), b.out((L,), I32)
-    b.add("argmax 129280", L, 4 * L * V, [lambda: g.launch_argmax(b.rt, lo, am, L, V)])
+    b.add("argmax 129280", L, 4 * L * V, [lambda: K.launch_argmax(b.rt, lo, am, L, V)])
 
 
 # Flash's Q8_0 products in the q2 policy (the shared expert's gate and up are one joint launch)
@@ -699,17 +702,17 @@ def perf_qmatvec(b, L):
     cases += [(f"qmatvec {name} q8_0 {n}x{k} (+ quantize)", "q8_0", n, k, ((1, 0), (2, 0), (2, 2), (2, 4)))
               for name, n, k in QMATVEC_SHAPES]
     for label, wtype, n, k, variants in cases:
-        packed = g.pack_qrows(wtype, make_weight(0, n, k, wtype)[0])
+        packed = layouts.pack_qrows(wtype, make_weight(0, n, k, wtype)[0])
         copies = max(1, min(8, -(-4 * L2_BYTES // packed.nbytes)))
-        dws = [g.DeviceWeight(b.up(packed), wtype, n, k, packed=True) for _ in range(copies)]
-        q = g.Q8Rows.alloc(rt, L * k)
+        dws = [layouts.DeviceWeight(b.up(packed), wtype, n, k, packed=True) for _ in range(copies)]
+        q = K.Q8Rows.alloc(rt, L * k)
         b.keep += [q.xq, q.dx, q.xs]
         x, y = b.up(b.rnd(L, k)), b.out((L, n))
-        for gemm in (False, True) if L > g.MMA_ROWS else (False,):
+        for gemm in (False, True) if L > K.MMA_ROWS else (False,):
             for rpw, per_sm in variants if not gemm else ((None, None),):
                 def run(dw, q=q, x=x, y=y, gemm=gemm, k=k, rpw=rpw, per_sm=per_sm):
-                    g.launch_quantize_q8(rt, x, q, L, k)
-                    g.launch_qmatvec(rt, dw, q, y, L, gemm=gemm, rows_per_warp=rpw, blocks_per_sm=per_sm)
+                    K.launch_quantize_q8(rt, x, q, L, k)
+                    K.launch_qmatvec(rt, dw, q, y, L, gemm=gemm, rows_per_warp=rpw, blocks_per_sm=per_sm)
                 tag = " [qgemm]" if gemm else f" [r{rpw}{f', {per_sm}/SM' if per_sm else ''}]" if rpw else ""
                 b.add(label + tag, L, packed.nbytes + 4 * L * (k + n),
                       [lambda dw=dw, run=run: run(dw) for dw in dws], f"{copies} weight copies")
@@ -729,7 +732,7 @@ def _make_matvec(seed, L, n, kb, wtype):
 
 
 def _make_routed(seed, L, E, kk, shape, down, wtype, rpw):
-    if rpw == 4 and wtype not in g.EXPERT_R4:
+    if rpw == 4 and wtype not in K.EXPERT_R4:
         return None  # r4 is built for bf16 only
     made = make_experts(seed, L, E, kk, shape, down, wtype)
     return None if made is None else (*made, {"rows_per_warp": rpw})
@@ -738,7 +741,7 @@ def _make_routed(seed, L, E, kk, shape, down, wtype, rpw):
 def _make_qmatvec(seed, L, n, kb, wtype, max_blocks):
     """Every quantised encoding, K up to 6400 (past several staged chunks, not only whole ones);
     max_blocks 2: a block walks several row blocks (reusing staged inputs where K fits)."""
-    k = 32 * kb if g.BLOCK_QUANTS[wtype][1] == 32 else 256 * max(1, kb // 8)
+    k = 32 * kb if layouts.BLOCK_QUANTS[wtype][1] == 32 else 256 * max(1, kb // 8)
     raw = make_weight(seed, n, k, wtype)[0]
     x = rnd(seed + 1, L, k)
     return (raw, wtype, x), (x, raw, wtype), dict(max_blocks=max_blocks)
@@ -750,7 +753,7 @@ def _make_qrouted(seed, L, E, kk, shape, down, wtype):
 
 def make_expert_list(seed, L, E, kk, padding, repeats):
     """Routing ids of L lanes (repeats: a lane may choose an expert twice), some lanes padding."""
-    if E * -(-L // 32) > g.EL_BITS:
+    if E * -(-L // 32) > K.EL_BITS:
         return None
     rng = np.random.default_rng(seed)
     ids = (rng.integers(0, E, (L, kk)) if repeats else
@@ -766,11 +769,11 @@ def ref_expert_list(ids, slots, E):
     rows = []
     for e in range(E):
         pairs = [l * kk + list(ids[l]).index(e) for l in range(L) if slots[l] >= 0 and e in ids[l]]
-        for c0 in range(0, len(pairs), g.EL_PAIRS):
-            chunk = pairs[c0:c0 + g.EL_PAIRS]
-            rows.append([e, len(chunk), *chunk, *[-1] * (g.EL_PAIRS - len(chunk))])
-    out = np.full(((g.expert_list_ints(E, kk, L) - 1) // g.EL_STRIDE, g.EL_STRIDE), -1, I32)
-    out[:len(rows)] = np.array(rows, I32).reshape(-1, g.EL_STRIDE)
+        for c0 in range(0, len(pairs), K.EL_PAIRS):
+            chunk = pairs[c0:c0 + K.EL_PAIRS]
+            rows.append([e, len(chunk), *chunk, *[-1] * (K.EL_PAIRS - len(chunk))])
+    out = np.full(((K.expert_list_ints(E, kk, L) - 1) // K.EL_STRIDE, K.EL_STRIDE), -1, I32)
+    out[:len(rows)] = np.array(rows, I32).reshape(-1, K.EL_STRIDE)
     return out
 
 
@@ -820,10 +823,10 @@ CASES: tuple[OpCase, ...] = (
     OpCase("attention_paged", ("step_attention_split", "step_attention_combine"), g.attention_paged,
            ref_attention_paged, make_attention,
            dict(H=[1, 3, 8, 20], D=[32, 128, 512], W=range(1, 17), store=["none", "all", "selected"],
-                kind=[g.ROW_F32, g.ROW_KV], span=[1, 40], epilogue=["none", "rope", "rope+q8"]), "prompt",
+                kind=[K.ROW_F32, K.ROW_KV], span=[1, 40], epilogue=["none", "rope", "rope+q8"]), "prompt",
            perf=perf_attention),
     OpCase("indexer_paged", ("step_indexer_paged",), g.indexer_paged, ref_indexer_paged, make_indexer,
-           dict(Hi=[1, 8, 64], Di=[32, 128], kind=[g.ROW_F32, g.ROW_IX]), "prompt", perf=perf_indexer),
+           dict(Hi=[1, 8, 64], Di=[32, 128], kind=[K.ROW_F32, K.ROW_IX]), "prompt", perf=perf_indexer),
     OpCase("topk", ("ds4_topk",), g.topk_batched, ref_topk, make_topk,
            dict(ncap=range(1, 3001), k=[1, 7, 64, 512], n_levels=[3, 50, 0]), compare="equal"),
     OpCase("pool_window", ("ds4_pool_window",), g.pool_window, ref.pool_window, make_pool,
@@ -851,13 +854,13 @@ CASES: tuple[OpCase, ...] = (
            compare="bits, any NaN"),
     OpCase("qmatvec", ("ds4_quantize_q8", "ds4_qmatvec_*", "ds4_qgemm_*"), g.qmatvec,
            lambda x, raw, wtype: canon_qlinear(x, raw, wtype), _make_qmatvec,
-           dict(n=range(1, 301), kb=range(1, 201), wtype=list(g.QUANT_WTYPES), max_blocks=[0, 2]), "prompt",
+           dict(n=range(1, 301), kb=range(1, 201), wtype=list(layouts.QUANT_WTYPES), max_blocks=[0, 2]), "prompt",
            perf=perf_qmatvec),
     OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,
            lambda mats, wtype, x, ids: ref_experts(
                mats, wtype, x, ids, lambda xi, m, wt: canon_qlinear(xi[None], m[0], wt)[0]),
            _make_qrouted, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
-                      wtype=list(g.QUANT_WTYPES)), "prompt", perf=perf_qexperts),
+                      wtype=list(layouts.QUANT_WTYPES)), "prompt", perf=perf_qexperts),
 )
 
 

@@ -15,7 +15,7 @@ from ..gguf.config import CSA
 from ..gguf.tensors import is_int_tensor, tensor_shapes
 from ..paging.layout import PageLayout
 from ..paging.plan import MemoryPlan
-from . import ops as K
+from . import launch as K
 from .device_state import LANE_FIELDS, DeviceState, max_pages_per_slot
 from .device_weights import is_vector
 
@@ -71,7 +71,7 @@ def shared_q8_inputs(cfg, quantised_products: bool) -> dict[str, int]:
 
 
 def _q8_sizes(prefix: str, width: int) -> dict[str, int]:
-    """int32/float32 elements per lane of ops.Q8Rows for rows `width` wide: int8 codes, f32 block
+    """int32/float32 elements per lane of launch.Q8Rows for rows `width` wide: int8 codes, f32 block
     scales, int16 half sums."""
     w = -(-width // 32) * 32
     return {f"{prefix}_codes": max(w // 4, 1), f"{prefix}_scales": max(w // 32, 1), f"{prefix}_sums": max(w // 32, 1)}
@@ -131,7 +131,7 @@ def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
     f32["ksplit"] = -(-ksf // L)
     f32["at_m"] = f32["at_den"] = c.n_head * at_nz
     f32["at_acc"] = c.n_head * at_nz * D
-    # quantised activations (ops.Q8Rows): the scratch any product quantises into, and the rows of
+    # quantised activations (launch.Q8Rows): the scratch any product quantises into, and the rows of
     # the activations several products share
     f32.update(_q8_sizes("q8", q8_width(c, quantised_products)))
     for name, width in shared_q8_inputs(c, quantised_products).items():

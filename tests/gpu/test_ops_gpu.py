@@ -6,7 +6,7 @@ The reference runs in float32, the canonical arithmetic (docs/exactness.md), on 
 same inputs (weights dequantised exactly to f32), so every comparison is of the float32
 bits: no tolerance anywhere. How far the canonical arithmetic sits from float64 maths is
 tested on the CPU (tests/test_canon.py). Outputs are poisoned with NaN / -1 inside
-ds4ref.hip.ops, so an unwritten element fails.
+ds4ref.hip.twins, so an unwritten element fails.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ds4ref.hip import builds
-from ds4ref.hip import ops as g
+from ds4ref.hip import launch as K
+from ds4ref.hip import layouts
+from ds4ref.hip import twins as g
 from ds4ref.hip.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
 from ds4ref.reference import ops as ref
 
@@ -95,13 +97,13 @@ def test_matvec_lane_slot_skips_padding(rt, monkeypatch, wtype, n_active):
     full = g.matvec(w, x, wtype=wtype, rt=rt)
     slots = np.full(16, -1, np.int32)
     slots[:n_active] = np.arange(n_active) + 3
-    dw = g.DeviceWeight.upload(rt, w, wtype)
+    dw = layouts.DeviceWeight.upload(rt, w, wtype)
     try:
         for rpw in ("1", "2", "4"):
             monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
             with g._Scope(rt) as s:
                 y = s.out((16, n))
-                g.launch_matvec(rt, dw, s.up(x), y, 16, lane_slot=s.up(slots))
+                K.launch_matvec(rt, dw, s.up(x), y, 16, lane_slot=s.up(slots))
                 got = s.get(y, (16, n))
             assert np.array_equal(got[:n_active], full[:n_active]), rpw
             assert np.all(np.isnan(got[n_active:])), rpw
@@ -120,13 +122,13 @@ def test_matvec_unaligned_rows_stage_scalar(rt, monkeypatch, wtype, L):
     want = g.matvec(w, x, wtype=wtype, rt=rt)
     xp = np.zeros((L, k + 1), F32)
     xp[:, :k] = x
-    dw = g.DeviceWeight.upload(rt, w, wtype)
+    dw = layouts.DeviceWeight.upload(rt, w, wtype)
     try:
         for rpw in ("1", "2"):
             monkeypatch.setenv("DS4REF_MATVEC_RPW", rpw)
             with g._Scope(rt) as s:
                 y = s.out((L, n))
-                g.launch_matvec(rt, dw, s.up(xp), y, L, ldx=k + 1)
+                K.launch_matvec(rt, dw, s.up(xp), y, L, ldx=k + 1)
                 got = s.get(y, (L, n))
             assert np.array_equal(got, want), rpw
     finally:
@@ -137,7 +139,7 @@ def test_matvec_unaligned_rows_stage_scalar(rt, monkeypatch, wtype, L):
 @pytest.mark.parametrize("n,k", [(24, 16384), (4, 16384), (64, 4096 + 96)])
 def test_matvec_ksplit(rt, monkeypatch, wtype, n, k):
     """The fixed K-split (few rows, long rows): the reference's split, and a lane alone vs among 16."""
-    assert g.matvec_ksplit(n, k)
+    assert K.matvec_ksplit(n, k)
     w, wf = make_weight(n * 7 + k, n, k, wtype)
     x = rnd(n + k, 40, k)  # three lane groups, the last one partial
     among = g.matvec(w, x, wtype=wtype, rt=rt)
@@ -162,13 +164,13 @@ def test_attention_batch_invariance(rt):
     """The paged attention at Flash's heads and width: a lane's bits alone equal its bits among
     16 (ring, pass rows and 200 selected compressed rows), and the reference's."""
     from ds4ref.hip.op_cases import make_attention, ref_attention_paged
-    args = make_attention(3, 16, 64, 512, 128, "selected", g.ROW_F32)[0]
+    args = make_attention(3, 16, 64, 512, 128, "selected", K.ROW_F32)[0]
     q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot, _rope, _q8 = args
     among = g.attention_paged(*args, rt=rt)
     assert same_bits(among, ref_attention_paged(*args))
     for l in np.flatnonzero(lanes.slot >= 0)[[0, -1]]:
         f = lanes.flane[l]  # alone: the lane with its slot's earlier rows of the pass before it
-        one = g.PagedLanes(*(a[f:l + 1] for a in (lanes.slot, lanes.pos, lanes.pstart)), lanes.flane[f:l + 1] - f,
+        one = K.PagedLanes(*(a[f:l + 1] for a in (lanes.slot, lanes.pos, lanes.pstart)), lanes.flane[f:l + 1] - f,
                            lanes.nvis[f:l + 1], lanes.btab, lanes.per)
         alone = g.attention_paged(q[f:l + 1], pass_kv[f:l + 1], ring, pages, sel[f:l + 1], ksel, one, sinks,
                                   kind, n_rot, rt=rt)
@@ -176,7 +178,7 @@ def test_attention_batch_invariance(rt):
 
 
 @pytest.mark.parametrize("defines", builds.ATTENTION_TUNING)
-@pytest.mark.parametrize("kind", [g.ROW_F32, g.ROW_KV])
+@pytest.mark.parametrize("kind", [K.ROW_F32, K.ROW_KV])
 @pytest.mark.parametrize("H", [20, 64])
 def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
     """step_attention_split's key tile, heads per warp and staging loads in flight (docs/kernels.md,
@@ -218,7 +220,7 @@ def test_matvec_block_quants_flash_shapes(rt, wtype, n, k):
 
 # ---- quantised products (official numerics: int8 activations, exact integer block dots) ----
 
-@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+@pytest.mark.parametrize("wtype", layouts.QUANT_WTYPES)
 def test_qmatvec_batch_invariance(rt, wtype):
     """At Flash's width: a lane's bits alone, among 16 or among 256 equal the reference's."""
     raw = make_weight(7, 512, 4096, wtype)[0]
@@ -230,7 +232,7 @@ def test_qmatvec_batch_invariance(rt, wtype):
         assert np.array_equal(g.qmatvec(raw, wtype, x[l:l + 1], rt=rt)[0], crowd[l])
 
 
-@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+@pytest.mark.parametrize("wtype", layouts.QUANT_WTYPES)
 @pytest.mark.parametrize("k", [1024, 4096 + 1024])
 def test_qmatvec_row_block_loop(rt, wtype, k):
     """A block walking row blocks (grid capped at 3) gives every row the bits of one block a row
@@ -244,7 +246,7 @@ def test_qmatvec_row_block_loop(rt, wtype, k):
         assert np.array_equal(g.qmatvec(raw, wtype, x[:L], rt=rt, max_blocks=3), one_each[:L])
 
 
-@pytest.mark.parametrize("wtype", g.QUANT_WTYPES)
+@pytest.mark.parametrize("wtype", layouts.QUANT_WTYPES)
 @pytest.mark.parametrize("k", [2048 + 256, 1024, 256])
 def test_qgemm_every_type(rt, wtype, k):
     """The tiled GEMM of prompt passes (ds4_qgemm_*: §2a's partial chains walked in the
@@ -278,8 +280,8 @@ def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     slices cross chunks, and the bits stay the reference's (a tuning macro changes none)."""
     monkeypatch.setenv("DS4REF_KERNEL_DEFINES", builds.ATTENTION_COMBINE_TUNING)
     got, want = run_case(BY_NAME["attention_paged"], seed, 16, rt, H=3, D=128, W=16, store="all",
-                         kind=g.ROW_KV, span=40)
-    lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=g.ROW_KV, span=40)[0][6]
+                         kind=K.ROW_KV, span=40)
+    lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=K.ROW_KV, span=40)[0][6]
     assert max(n + min(16, p + 1) for n, p, s in zip(lanes.nvis, lanes.pos, lanes.slot) if s >= 0) > 2 * 32
     for a, b in zip(got, want):
         assert same_bits(a, b)
