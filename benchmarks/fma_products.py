@@ -21,7 +21,7 @@ import numpy as np
 from quantised_products import deviation, rate  # which also puts the repository on sys.path
 
 import ds4ref
-from ds4ref.reference import canon
+from ds4ref.numerics import canon
 from tests.golden.make_golden import POLICIES, policy_model
 
 CANONICAL = canon._matmul_for

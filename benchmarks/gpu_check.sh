@@ -83,7 +83,7 @@ for f in sorted(KERNEL_DIR.glob("*.hip")):
 PY
 fi
 if has ops; then
-  stage "op twins, bitwise (the op-case table, ds4ref/hip/op_cases.py)"
+  stage "op twins, bitwise (the op-case table, ds4ref/harness/op_cases.py)"
   timeout ${OPS_TIMEOUT:-$(t 240)} $PYTEST -m gpu tests/gpu/test_ops_gpu.py -n 4 2>&1 | tee "$OUT/ops.log" || rc=1
   stage "op timings against the bandwidth floor (the same table's perf mode)"
   timeout ${OPS_PERF_TIMEOUT:-$(t 240)} python3 benchmarks/ops_gpu.py --out "$OUT/perf_ops_gpu.md" 2>&1 \

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import ds4ref.hip
-from ds4ref.reference.canon import LANES, _butterfly
+from ds4ref.numerics.canon import LANES, _butterfly
 
 QGEMM = Path(ds4ref.hip.__file__).parent / "kernels" / "qgemm.hip"
 HELPERS = ("qg_bitrev5", "qg_popc", "qg_trailing_ones")

@@ -1,4 +1,4 @@
-"""The canonical float32 arithmetic (ds4ref/reference/canon.py, docs/exactness.md).
+"""The canonical float32 arithmetic (ds4ref/numerics/canon.py, docs/exactness.md).
 
 * exp / log1p / sigmoid / softplus stay within their stated ulp bounds of float64 maths;
 * the Numba loops compute exactly the written order: a second, vectorised NumPy
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.gguf.config import ConfigError
-from ds4ref.reference import canon
+from ds4ref.numerics import canon
 from ds4ref.reference import ops as ref
 from ds4ref.gguf.tiny import tiny_config, write_tiny
 

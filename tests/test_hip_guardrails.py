@@ -25,7 +25,7 @@ def _has_gpu() -> bool:
 
 def test_import_needs_no_gpu_library():
     # a fresh interpreter, so nothing imported earlier can mask a top-level GPU import
-    code = ("import sys, ds4ref.hip, ds4ref.hip.launch, ds4ref.hip.twins, ds4ref.hip.guards; "
+    code = ("import sys, ds4ref.hip, ds4ref.hip.launch, ds4ref.harness.twins, ds4ref.hip.guards; "
             "bad = [m for m in ('hip', 'cuda', 'cuda.bindings', 'cupy', 'torch', 'gguf') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -16,7 +16,7 @@ from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_state import LANE_FIELDS
 from ds4ref.hip.device_weights import mtp_device_names
 from ds4ref.hip.mtp import first_pass, last_position, next_pass
-from ds4ref.hip.op_cases import CASES
+from ds4ref.harness.op_cases import CASES
 from test_hip_program import rt  # noqa: F401 - the fixture
 from test_op_cases import END_TO_END
 
@@ -198,7 +198,7 @@ def test_random_policy_mtp_block_records_beside_its_model(rt, numerics):  # noqa
     from ds4ref.gguf.mtp import mtp_config
     from ds4ref.gguf.tiny import POLICY_DIMS, tiny_config
     from ds4ref.hip.device_weights import MTP_BORROWED, DeviceWeights
-    from ds4ref.reference.layers import Tables
+    from ds4ref.numerics.tables import Tables
     cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
     q = numerics == "official"
     dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=q)

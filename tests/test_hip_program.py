@@ -21,7 +21,7 @@ from ds4ref.paging.compact import index_row_bytes as compact_index_bytes, kv_row
 from ds4ref.hip.device_weights import DeviceWeights
 from ds4ref.hip.runtime import DeviceBuffer, Kernel, launch_handle
 from ds4ref.hip.signatures import KernelArgumentError, file_signatures
-from ds4ref.reference.layers import Tables
+from ds4ref.numerics.tables import Tables
 from ds4ref.reference.state import ATTN, INDEX
 from ds4ref.gguf.tiny import POLICY_DIMS, tiny_config
 

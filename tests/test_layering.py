@@ -17,12 +17,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "console"),  # DS4REF_* variables; counts in messages, --help, progress bars
     ("gguf",),                # the model file: config, metadata, tensors, quant codes, reader/writer,
                               # weights, tokenizer, the embedded tiny model
+    ("numerics",),            # the canonical float32 arithmetic, the FP8/FP4 grids, the tables derived
+                              # from the config (RoPE, Hadamard): what both backends compute
     ("convert",),             # HF checkpoints to GGUF
     ("backend",),             # the protocol between the scheduler and the backends
     ("paging",),              # pages, block tables, page layout, compact rows, the memory plan
     ("reference",),           # the exact model and NumpyBackend
     ("scheduler",),           # SeqEngine, Scheduler, sampling, Engine
     ("hip",),                 # the GPU backend
+    ("harness",),             # the GPU op twins and the op-case table, checked against the reference
     ("model",),               # ds4ref.load: a model file with its backends
     ("serve",),               # the OpenAI-compatible server
     ("cli",),                 # command-line tools

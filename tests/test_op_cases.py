@@ -1,4 +1,4 @@
-"""The op-case table (ds4ref/hip/op_cases.py) without a GPU: every case builds its inputs, runs
+"""The op-case table (ds4ref/harness/op_cases.py) without a GPU: every case builds its inputs, runs
 its reference twin, and launches only kernels it names, each launch checked against the
 kernel's parameters on a recording runtime; and the table covers every kernel the backend's
 pass launches, except the few checked end to end only (tests/gpu/test_hip_backend.py)."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds4ref.hip import buffers
-from ds4ref.hip.op_cases import CASES, run_case
+from ds4ref.harness.op_cases import CASES, run_case
 from test_hip_program import RecordingRuntime
 
 # kernels of the pass whose twin would be the whole reference layer: checked end to end
@@ -46,7 +46,7 @@ def test_case_builds_checked_launches(case):
 def test_table_covers_the_backends_kernels(monkeypatch):
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.device_weights import DeviceWeights
-    from ds4ref.reference.layers import Tables
+    from ds4ref.numerics.tables import Tables
     from ds4ref.gguf.tiny import tiny_config
     from test_hip_program import Buf
     monkeypatch.setattr(buffers, "view", lambda buf, off, n: Buf(n))

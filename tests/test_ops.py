@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ds4ref.reference import canon, ops
+from ds4ref.numerics import canon
+from ds4ref.reference import ops
 
 FLOATS = (np.float32, np.float64)
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.gguf import quant_codes as qcodes
-from ds4ref.reference import canon
+from ds4ref.numerics import canon
 from ds4ref.reference.layers import LayerWeights, product_weight
 from ds4ref.reference.prefill import prefill_logits
 from tests.golden.make_golden import policy_model

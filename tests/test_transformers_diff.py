@@ -143,7 +143,8 @@ def test_transformers_cached_decode_matches_its_full_forward(pair):
 def _diagnose(pair, err: np.ndarray) -> str:
     """First position over tolerance and the first layer whose streams already differ."""
     from ds4ref.reference import prefill
-    from ds4ref.reference.layers import LayerWeights, Tables, embed
+    from ds4ref.numerics.tables import Tables
+    from ds4ref.reference.layers import LayerWeights, embed
 
     bad = int(np.nonzero(err >= REL_TOL)[0][0])
     ids = pair.ids[: bad + 1]

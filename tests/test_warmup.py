@@ -81,7 +81,7 @@ NO_NEW_SIGNATURES = r"""
 import json, sys
 from numba.core.dispatcher import Dispatcher
 from starlette.testclient import TestClient
-from ds4ref.reference.canon import PARALLEL_ROWS
+from ds4ref.numerics.canon import PARALLEL_ROWS
 from ds4ref.serve import build_state, create_app
 from ds4ref.serve.__main__ import _warm_up
 
@@ -112,11 +112,11 @@ def test_after_the_warm_up_no_request_reaches_a_kernel_it_did_not():
     p = subprocess.run([sys.executable, "-c", NO_NEW_SIGNATURES], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.splitlines()[-1])
-    assert out["new"] == {}, out["new"]  # e.g. {"ds4ref.reference.canon._indexer_scores": [0, 1]} without it
+    assert out["new"] == {}, out["new"]  # e.g. {"ds4ref.numerics.canon._indexer_scores": [0, 1]} without it
     # what the requests reach: the indexer in a threaded pass and in decode rows, drafts, a grammar
     assert out["one_pass"]  # the long prompt is one pass, PARALLEL_ROWS + 8 of its rows picking
-    assert {"ds4ref.reference.canon._indexer_scores", "ds4ref.reference.canon._indexer_scores_par",
-            "ds4ref.reference.canon._matmul_par"} <= set(out["warmed"]), out["warmed"]
+    assert {"ds4ref.numerics.canon._indexer_scores", "ds4ref.numerics.canon._indexer_scores_par",
+            "ds4ref.numerics.canon._matmul_par"} <= set(out["warmed"]), out["warmed"]
     assert out["usage"][0]["completion_tokens"] == 8 and out["usage"][1]["completion_tokens"] > 0
     assert out["spec_rounds"] > 0  # speculative rounds ran: the drafts' MTP passes were reached
     assert out["same_ll_tokenizer"]  # llguidance's tokenizer was built by the warm-up, not by the request

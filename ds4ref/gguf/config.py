@@ -34,6 +34,15 @@ class LayerKind(enum.IntEnum):
 
 SLIDING, CSA, HCA = LayerKind.SLIDING, LayerKind.CSA, LayerKind.HCA
 
+# the compressed rows a layer keeps: KV rows (attention) and, on CSA layers, indexer rows
+ATTN, INDEX = "attn", "index"
+
+
+def row_kinds(layer_kind: LayerKind) -> list[str]:
+    """The compressed rows a layer stores: KV rows on compressed layers, indexer rows too on CSA."""
+    return [ATTN, INDEX] if layer_kind is CSA else [ATTN] if layer_kind.compressed else []
+
+
 # config field -> (GGUF key suffix after "deepseek4.", required, GGUF type written, spec §2.1).
 # The reader accepts any integer type for u32/u64, any number for f32 (ds4ref.gguf.metadata).
 # The two context lengths are written as u32: llama.cpp reads them into uint32_t and refuses

@@ -2,7 +2,7 @@
 exact integer products of official numerics (docs/exactness.md, section 2a). Weight [o, i] is
 s1[o, b] * mul[o, h] * codes[o, i] - s2[o, b] * mn[o, h], b = i // 32 its block, h = i // 16
 its 16-column half. A model-file concern (the weights layer builds these from a tensor's
-bytes); the arithmetic over them is reference/canon.py's and the kernels'.
+bytes); the arithmetic over them is numerics/canon.py's and the kernels'.
 """
 from __future__ import annotations
 

@@ -38,11 +38,10 @@ import math
 import numpy as np
 
 from ..backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_kept_rows, check_rows
-from ..reference import canon
+from ..numerics import canon
 from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
-from ..gguf.config import CSA
-from ..reference.state import ATTN, INDEX, row_kinds
+from ..gguf.config import ATTN, CSA, INDEX, row_kinds
 from . import launch as K
 from . import buffers
 from .layouts import QUANT_WTYPES

@@ -23,8 +23,7 @@ import numpy as np
 
 from ..backend import DECODE_LANES, check_block_table
 from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
-from ..gguf.config import CSA
-from ..reference.state import ATTN, INDEX, row_kinds
+from ..gguf.config import ATTN, CSA, INDEX, row_kinds
 from . import buffers
 
 # kernels/step_state.hip's row formats

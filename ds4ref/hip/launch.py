@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import DECODE_LANES
-from ..reference import canon
+from ..numerics import canon
 from ..settings import getenv, getenv_int
 from .buffers import DeviceBuffer
 from .builds import qgemm_options

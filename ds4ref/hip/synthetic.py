@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..gguf import tiny
-from ..reference.layers import Tables
+from ..numerics.tables import Tables
 
 
 def flash_config(n_layer: int = 8, n_expert: int = 256, context_length: int = 65536):

@@ -3,34 +3,14 @@ RoPE tables, the projections in front of attention, the MoE block and the head."
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..gguf.config import DS4Config
+from ..numerics.tables import Tables
 from . import ops
 
 NUMERICS = ("official", "plain")
-
-
-@dataclass
-class Tables:
-    """Precomputed constants: RoPE frequencies per layer kind and the indexer Hadamard."""
-    omega_main: np.ndarray
-    omega_compress: np.ndarray
-    hadamard: np.ndarray
-
-    @classmethod
-    def build(cls, cfg: DS4Config, dtype) -> "Tables":
-        yarn = (cfg.yarn_factor, cfg.yarn_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow)
-        return cls(ops.rope_omega(cfg.n_rot, cfg.rope_freq_base),
-                   ops.rope_omega(cfg.n_rot, cfg.compress_rope_freq_base, yarn),
-                   ops.hadamard(cfg.indexer_head_dim, dtype))
-
-    def omega(self, ratio: int) -> np.ndarray:
-        """Sliding-only layers use the main table; compressed layers and their compressors
-        and indexer use the YaRN-scaled compress table."""
-        return self.omega_compress if ratio else self.omega_main
 
 
 def product_weight(weights, name: str, numerics: str, e: int | None = None):

@@ -6,8 +6,9 @@ from typing import Sequence
 import numpy as np
 
 from ..gguf.config import DS4Config
+from ..numerics.tables import Tables
 from .decode import Rows, decode_rows, decode_step
-from .layers import NUMERICS, Tables
+from .layers import NUMERICS
 from .ops import batch_invariant
 from .prefill import prefill_logits
 from .state import SeqState

@@ -15,7 +15,9 @@ import math
 
 import numpy as np
 
-from . import canon
+from ..numerics import canon
+from ..numerics.grids import e2m1_round, e4m3_round, pow2_ceil_log2
+from ..numerics.tables import hadamard, rope_omega  # noqa: F401 - the primitives' names (tests, docs)
 
 NEG_INF = -np.inf
 
@@ -78,28 +80,6 @@ def softplus(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-def rope_omega(n_rot: int, base: float, yarn: tuple[float, int, float, float] | None = None) -> np.ndarray:
-    """Angular frequencies omega_j, j < n_rot/2, in float64.
-
-    yarn = (factor, original_context, beta_fast, beta_slow); the magnitude
-    factor is 1.0 (DS4 forces attention_factor = 1; the default 1.2773 is wrong).
-    """
-    j = np.arange(n_rot // 2, dtype=np.float64)
-    omega = canon.correctly_rounded_pow(base, -2.0 * j / n_rot)  # not libm's pow: same bits everywhere
-    if yarn is None:
-        return omega
-    factor, orig_ctx, beta_fast, beta_slow = yarn
-
-    def corr(n_rotations: float) -> float:
-        return n_rot * math.log(orig_ctx / (2 * math.pi * n_rotations)) / (2 * math.log(base))
-
-    low = max(0, math.floor(corr(beta_fast)))
-    high = min(n_rot - 1, math.ceil(corr(beta_slow)))
-    span = (high - low) if high != low else 0.001
-    ramp = np.clip((j - low) / span, 0.0, 1.0)
-    return omega * (1.0 - ramp) + (omega / factor) * ramp
-
-
 def rope_cos_sin(omega: np.ndarray, pos: np.ndarray | int, dtype) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of theta = pos * omega, formed in the working dtype (float32: f32(p)*f32(omega))."""
     if np.dtype(dtype) == np.float32:
@@ -131,37 +111,11 @@ def rope(v: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False)
 # ---------------------------------------------------------------------------
 
 
-def _pow2_ceil_log2(y: np.ndarray) -> np.ndarray:
-    """2**ceil(log2(y)) for y > 0, computed exactly from the binary exponent."""
-    m, e = np.frexp(y)
-    e = np.where(m == 0.5, e - 1, e)
-    return np.ldexp(np.ones_like(y), e)
-
-
-def _round_to_grid(x: np.ndarray, min_exp: int, mant_bits: int) -> np.ndarray:
-    """Round to the nearest float with `mant_bits` mantissa bits and normal exponent
-    >= min_exp (subnormals below), ties to even."""
-    _, e = np.frexp(np.abs(x))  # |x| = m * 2**e, m in [0.5, 1)
-    exp = np.maximum(e - 1, min_exp)
-    q = exp - mant_bits
-    return np.ldexp(np.rint(np.ldexp(x, -q)), q)
-
-
-def e4m3_round(x: np.ndarray) -> np.ndarray:
-    """Nearest E4M3FN value (max 448, subnormals m*2^-9), ties to even. |x| must be <= 448."""
-    return _round_to_grid(x, -6, 3)
-
-
-def e2m1_round(x: np.ndarray) -> np.ndarray:
-    """Nearest FP4 E2M1 value in {0, .5, 1, 1.5, 2, 3, 4, 6} (signed), ties to even."""
-    return _round_to_grid(x, 0, 1)
-
-
 def _block_quant(v: np.ndarray, block: int, qmax: float, floor: float, rnd) -> np.ndarray:
     shp = v.shape
     blk = v.reshape(*shp[:-1], shp[-1] // block, block)
     amax = np.maximum(np.max(np.abs(blk), axis=-1, keepdims=True), v.dtype.type(floor))
-    s = _pow2_ceil_log2(amax / v.dtype.type(qmax))
+    s = pow2_ceil_log2(amax / v.dtype.type(qmax))
     q = rnd(np.clip(blk / s, -qmax, qmax)) * s
     return q.reshape(shp)
 
@@ -172,17 +126,6 @@ def fp8sim(v: np.ndarray, n_rot: int) -> np.ndarray:
     nope = v.shape[-1] - n_rot
     out[..., :nope] = _block_quant(v[..., :nope], 64, 448.0, 1e-4, e4m3_round)
     return out
-
-
-def hadamard(n: int, dtype=np.float64) -> np.ndarray:
-    """Orthonormal Sylvester Hadamard matrix H[i, j] = (-1)^popcount(i & j) / sqrt(n)."""
-    i = np.arange(n)
-    bits = np.bitwise_and(i[:, None], i[None, :])
-    parity = np.zeros_like(bits)
-    while bits.any():
-        parity ^= bits & 1
-        bits >>= 1
-    return ((1 - 2 * parity) / math.sqrt(n)).astype(dtype)
 
 
 def qat(v: np.ndarray, h: np.ndarray) -> np.ndarray:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..gguf.config import CSA
+from ..numerics.tables import Tables
 from . import ops
-from .layers import (LayerWeights, Tables, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
+from .layers import (LayerWeights, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
                      indexer_query, project_qkv)
 
 

@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gguf.config import CSA, DS4Config, LayerKind
-
-ATTN, INDEX = "attn", "index"
-
-
-def row_kinds(layer_kind: LayerKind) -> list[str]:
-    """The compressed rows a layer stores: KV rows on compressed layers, indexer rows too on CSA."""
-    return [ATTN, INDEX] if layer_kind is CSA else [ATTN] if layer_kind.compressed else []
-
+from ..gguf.config import ATTN, CSA, INDEX, DS4Config, LayerKind, row_kinds  # noqa: F401 - the state's row kinds
 
 class CompressorState:
     """Softmax-pooling compressor state of one layer (kind attn or index).

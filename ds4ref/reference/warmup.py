@@ -20,7 +20,7 @@ from numba.core import event
 
 from ..backend import PAGE_TOKENS, PREFILL_ROWS, DraftRequest, Row, StepPlan
 from ..gguf.config import CSA
-from .canon import PARALLEL_ROWS
+from ..numerics.canon import PARALLEL_ROWS
 
 _registered: list = []
 

@@ -1,12 +1,12 @@
 """Every GPU op the backend runs against its twin in ds4ref/reference, bit for bit: the op-case
-table (ds4ref/hip/op_cases.py) in test mode, then the properties a table row does not express
+table (ds4ref/harness/op_cases.py) in test mode, then the properties a table row does not express
 (batch invariance, padding lanes, staging paths, rows per warp).
 
 The reference runs in float32, the canonical arithmetic (docs/exactness.md), on the
 same inputs (weights dequantised exactly to f32), so every comparison is of the float32
 bits: no tolerance anywhere. How far the canonical arithmetic sits from float64 maths is
 tested on the CPU (tests/test_canon.py). Outputs are poisoned with NaN / -1 inside
-ds4ref.hip.twins, so an unwritten element fails.
+ds4ref.harness.twins, so an unwritten element fails.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from ds4ref.hip import builds
 from ds4ref.hip import launch as K
 from ds4ref.hip import layouts
-from ds4ref.hip import twins as g
-from ds4ref.hip.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
+from ds4ref.harness import twins as g
+from ds4ref.harness.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
 from ds4ref.reference import ops as ref
 
 pytestmark = pytest.mark.gpu
@@ -163,7 +163,7 @@ def test_hc_pre_flash_width(rt):
 def test_attention_batch_invariance(rt):
     """The paged attention at Flash's heads and width: a lane's bits alone equal its bits among
     16 (ring, pass rows and 200 selected compressed rows), and the reference's."""
-    from ds4ref.hip.op_cases import make_attention, ref_attention_paged
+    from ds4ref.harness.op_cases import make_attention, ref_attention_paged
     args = make_attention(3, 16, 64, 512, 128, "selected", K.ROW_F32)[0]
     q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot, _rope, _q8 = args
     among = g.attention_paged(*args, rt=rt)
@@ -184,7 +184,7 @@ def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
     """step_attention_split's key tile, heads per warp and staging loads in flight (docs/kernels.md,
     tuning macros) give the reference's bits: Flash's width in both row formats, 20 heads leaving
     warps idle."""
-    from ds4ref.hip.op_cases import make_attention, ref_attention_paged
+    from ds4ref.harness.op_cases import make_attention, ref_attention_paged
     monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
     args = make_attention(5, 16, H, 512, 128, "selected", kind)[0]
     assert same_bits(g.attention_paged(*args, rt=rt), ref_attention_paged(*args))

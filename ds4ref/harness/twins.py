@@ -13,15 +13,15 @@ import numpy as np
 
 from ..backend import DECODE_LANES
 from ..paging.compact import encode_index_rows, encode_kv_rows
-from .buffers import DeviceBuffer
-from .launch import (
+from ..hip.buffers import DeviceBuffer
+from ..hip.launch import (
     _blocks, AT_SPLIT, EL_STRIDE, expert_list_ints, HC_MAX, kernel, ksplit_scratch, launch_add_rows,
     launch_argmax, launch_attention_combine, launch_attention_split, launch_expert_list,
     launch_hc_pre_finish, launch_matvec, launch_matvec_slices, launch_norm_rope, launch_qat,
     launch_qexperts, launch_qmatvec, launch_quantize_q8, launch_rmsnorm, launch_rmsnorm_q8,
     launch_routed_experts, launch_swiglu_act, matvec_ksplit, PagedLanes, Q8Rows, ROW_F32, ROW_KV)
-from .layouts import _need, DeviceWeight, pack_qrows, QUANT_WTYPES, weight_cols
-from .runtime import get_runtime, Runtime
+from ..hip.layouts import _need, DeviceWeight, pack_qrows, QUANT_WTYPES, weight_cols
+from ..hip.runtime import get_runtime, Runtime
 
 I32, F32 = np.int32, np.float32
 NAN_BITS = 0x7FC00000
