@@ -173,7 +173,7 @@ def main() -> None:
     rt, cfg, dw, model, what = make_model(args.full, args.experts)
     bw = copy_bandwidth(rt)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     ctxs = [int(x) for x in args.ctx.split(",")]
     lanes = [int(x) for x in args.lanes.split(",")]
     pages_per_slot = -(-(max(ctxs) + args.reps + 8) // 128)

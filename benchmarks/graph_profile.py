@@ -102,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     from ds4ref.hip.backend import HipBackend
     rt, cfg, dw, model, what = make_model(args.full)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     pages = -(-(max(args.ctx, args.prompt) + 64) // 128)
     backend.configure(16, 16 * pages)
     lines = [f"{what}; {rt.info.name}; CUPTI kernel times inside the graph replay, mean of {args.reps} replays", ""]

@@ -126,7 +126,8 @@ def main() -> None:
     t0 = time.time()
     rt, cfg, dw, model, what = make_model(args.full)
     bw = copy_bandwidth(rt)
-    backend = HipBackend(model, runtime=rt, device_weights=dw, prefill_rows=args.chunk)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables,
+                         runtime=rt, device_weights=dw, prefill_rows=args.chunk)
     prompts = [int(x) for x in args.prompts.split(",") if x]
     longest = max(prompts + [args.itl_prompt + 512])
     backend.configure(16, 16 * -(-longest // 128))

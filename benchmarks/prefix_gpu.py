@@ -109,7 +109,8 @@ def make_backend(which: str):
     from ds4ref.hip.synthetic import make_model
     from ds4ref.hip.backend import HipBackend
     rt, cfg, dw, model, what = make_model(which == "full")
-    return HipBackend(model, runtime=rt, device_weights=dw), cfg, what
+    return HipBackend(model.config, model.weights, model.numerics, model.tables,
+                      runtime=rt, device_weights=dw), cfg, what
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,11 @@ class DS4Model:
     def weights(self):
         return self.reference.weights
 
+    @property
+    def tables(self):
+        """The tables derived from the config (numerics.tables.Tables), as the reference built them."""
+        return self.reference.tables
+
     @cached_property
     def tokenizer(self):
         from .gguf.tokenizer import Tokenizer
@@ -57,9 +62,10 @@ class DS4Model:
         if name == "hip":
             from .hip.backend import HipBackend
             if self._device is not None:  # weights are on the device already: share them
-                return HipBackend(self.reference, runtime=self._device.rt, device_weights=self._device.w,
+                return HipBackend(self.config, self.weights, self.numerics, self.tables,
+                                  runtime=self._device.rt, device_weights=self._device.w,
                                   mtp=self.mtp, mtp_device_weights=self._device.mtp and self._device.mtp.w)
-            return HipBackend(self.reference, mtp=self.mtp)
+            return HipBackend(self.config, self.weights, self.numerics, self.tables, mtp=self.mtp)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

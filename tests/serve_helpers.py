@@ -177,7 +177,7 @@ def stand_in_hip_state(logits_of, max_concurrency: int = 2, max_context: int = 1
 
     model = ds4ref.load()
     rt = StandInDevice()
-    backend = HipBackend(model.reference, runtime=rt)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt)
     engine = SeqEngine(backend, model.config, max_concurrency=max_concurrency, max_context=max_context)
     rt.backend = backend  # configured: its lane and head buffers are the ones the passes use
     runner = Runner(Scheduler(engine), metrics=Metrics())

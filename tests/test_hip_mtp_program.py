@@ -27,7 +27,7 @@ def model(request):
 
 
 def backend_with_mtp(model, rt, n_slots=4, n_pages=16):
-    b = HipBackend(model.reference, runtime=rt, mtp=model.mtp)
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
     b.configure(n_slots, n_pages)
     return b
 
@@ -182,7 +182,7 @@ def test_restore_keeps_rows_by_committing_their_lanes_again(model, rt):
 
 
 def test_without_mtp_there_is_no_draft(model, rt):
-    b = HipBackend(model.reference, runtime=rt)
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt)
     assert not hasattr(b, "draft") and hasattr(b, "restore_state") and b.mtp is None
     b.configure(2, 8)
     sid = b.save_state(0)
@@ -210,7 +210,8 @@ def test_random_policy_mtp_block_records_beside_its_model(rt, numerics):  # noqa
         ("iq2_xxs", "q2_k")
     assert mdw.tensor("mtp.0.e_proj.weight").wtype == "q8_0" and mdw.tensor("mtp.0.e_proj.weight").packed == q
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
-    b = HipBackend(model, runtime=rt, device_weights=dw, mtp=types.SimpleNamespace(config=mcfg, weights=None),
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables,
+                   runtime=rt, device_weights=dw, mtp=types.SimpleNamespace(config=mcfg, weights=None),
                    mtp_device_weights=mdw)
     b.configure(4, 16)
     assert sorted(b.mtp.programs) == list(b.buckets)

@@ -115,7 +115,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     dw = (DeviceWeights.random_flash(rt, cfg, big=1 << 30) if weights == "bf16" else
           DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official"))
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
     assert sorted(backend.programs) == [16, 32, 64, 128, 256] and backend.max_pass_rows == 256
     for L, program in backend.programs.items():
@@ -181,7 +181,7 @@ def test_each_pass_runs_the_program_of_its_bucket(rt):
     cfg = tiny_config()
     dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
     model = types.SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
     for s in range(3):
         backend.reset_slot(s)
@@ -219,7 +219,7 @@ def test_configure_counts_the_prompt_pass_workspace(rt):
     cfg = tiny_config()
     dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
     model = types.SimpleNamespace(config=cfg, numerics="official", tables=Tables.build(cfg, np.float32), weights=None)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     state = DeviceState.bytes_needed(cfg, 4, 64, 128, compact=True)
     rt.mem_info = lambda: (int(2 * state), 1 << 40)
     before = rt.allocated
@@ -407,7 +407,7 @@ def policy_backend(numerics: str):
     cfg = tiny_config(**dict(POLICY_DIMS, n_embd=512))
     dw = DeviceWeights.random_policy(rt, cfg, "q2", quantised_products=numerics == "official")
     model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
-    backend = HipBackend(model, runtime=rt, device_weights=dw)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     backend.configure(4, 64)
     return cfg, dw, backend
 
@@ -449,7 +449,8 @@ def test_graph_profile_maps_kernel_times_to_the_recorded_launches(rt):
     gp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gp)
     from ds4ref import load
-    b = HipBackend(load(numerics="official").reference, runtime=rt)
+    m = load(numerics="official")
+    b = HipBackend(m.config, m.weights, m.numerics, m.tables, runtime=rt)
     b.configure(4, 16)
     ops = b.programs[16].ops
     times = [float(i % len(ops)) for i in range(3 * len(ops))]  # launch i takes i µs, every replay
@@ -490,7 +491,8 @@ def test_a_row_the_argmax_kernel_finds_not_finite_ends_only_its_slot(rt):
     whole server, run on the GPU: tests/gpu/test_serve_hip.py.)"""
     from ds4ref import load
     from ds4ref.backend import Row, StepPlan
-    backend = HipBackend(load(numerics="official").reference, runtime=rt)
+    m = load(numerics="official")
+    backend = HipBackend(m.config, m.weights, m.numerics, m.tables, runtime=rt)
     backend.configure(4, 16)
     for s in range(3):
         backend.reset_slot(s)

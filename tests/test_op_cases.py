@@ -55,7 +55,8 @@ def test_table_covers_the_backends_kernels(monkeypatch):
         cfg = tiny_config()
         dw = DeviceWeights.random_flash(rt, cfg, big=1 << 30)
         model = types.SimpleNamespace(config=cfg, numerics=numerics, tables=Tables.build(cfg, np.float32), weights=None)
-        backend = HipBackend(model, runtime=rt, device_weights=dw)
+        backend = HipBackend(model.config, model.weights, model.numerics, model.tables,
+                             runtime=rt, device_weights=dw)
         backend.configure(2, 16)
         ran = {k.name for program in backend.programs.values() for k, *_ in program.ops}
         twinned = {n for n in ran if any(fnmatch.fnmatch(n, p) for c in CASES for p in c.kernels)}

@@ -91,7 +91,8 @@ def synthetic(which: str):
     mtp, mdw = make_mtp(rt, cfg, dw) if which == "full" else (None, None)
     print(what + (", with a random MTP block" if mtp else ""), flush=True)
     # each run's configure() releases the last's state
-    backend = HipBackend(ref, runtime=rt, device_weights=dw, mtp=mtp, mtp_device_weights=mdw)
+    backend = HipBackend(ref.config, ref.weights, ref.numerics, ref.tables,
+                         runtime=rt, device_weights=dw, mtp=mtp, mtp_device_weights=mdw)
     return SimpleNamespace(config=cfg, mtp=mtp, make_backend=lambda name=None: backend)
 
 

@@ -39,9 +39,10 @@ import numpy as np
 
 from ..backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, StepPlan, StepResult, check_kept_rows, check_rows
 from ..numerics import canon
+from ..numerics.tables import Tables
 from ..paging.layout import kv_storage
 from ..settings import getenv, getenv_int
-from ..gguf.config import ATTN, CSA, INDEX, row_kinds
+from ..gguf.config import ATTN, CSA, INDEX, DS4Config, row_kinds
 from . import launch as K
 from . import buffers
 from .layouts import QUANT_WTYPES
@@ -96,13 +97,17 @@ class Recorder:
 class HipBackend:
     name = "hip"
 
-    def __init__(self, reference_model, runtime=None, device_weights: DeviceWeights | None = None,
-                 use_graph: bool | None = None, allow_untested_arch: bool = False,
-                 prefill_rows: int = PREFILL_ROWS, mtp=None, mtp_device_weights: DeviceWeights | None = None):
-        """mtp: the model's MTP block (reference/mtp.py's MTP, DS4Model.mtp), for draft()."""
-        self.model = reference_model
-        self.cfg = reference_model.config
-        self.numerics = reference_model.numerics
+    def __init__(self, config: DS4Config, weights, numerics: str, tables: Tables, runtime=None,
+                 device_weights: DeviceWeights | None = None, use_graph: bool | None = None,
+                 allow_untested_arch: bool = False, prefill_rows: int = PREFILL_ROWS, mtp=None,
+                 mtp_device_weights: DeviceWeights | None = None):
+        """Built from what the pass needs: the model's config, its host weights (gguf.weights;
+        None when device_weights are given), the numerics ("official" or "plain") and the tables
+        derived from the config (numerics.tables.Tables: RoPE frequencies, Hadamard).
+        mtp: the model's MTP block (its config and weights; DS4Model.mtp), for draft()."""
+        self.cfg = config
+        self.numerics = numerics
+        self.tables = tables
         if prefill_rows < DECODE_LANES:
             raise ValueError(f"prefill_rows must be >= {DECODE_LANES}, got {prefill_rows}")
         self.buckets = capacity_buckets(prefill_rows)
@@ -115,7 +120,7 @@ class HipBackend:
         # official numerics multiply block-quantised weights by int8 activations (qdot.hip)
         self.quantised_products = self.numerics == "official"
         self.w = device_weights if device_weights is not None else DeviceWeights.from_weights(
-            runtime, reference_model.weights, self.quantised_products)
+            runtime, weights, self.quantised_products)
         for name, t in self.w.mats.items():
             if name != "token_embd.weight" and t.wtype in QUANT_WTYPES and t.packed != self.quantised_products:
                 raise ValueError(f"{name}: {t.wtype} weights uploaded for {'plain' if t.packed else 'official'} "
@@ -418,7 +423,7 @@ class HipBackend:
     # ---- constants and workspace ---------------------------------------------------------
     def _tables(self) -> None:
         # transposed: ds4_qat_rows reads it a column per thread (its comment says why)
-        self.hadamard = self.rt.upload(np.ascontiguousarray(np.asarray(self.model.tables.hadamard, F32).T))
+        self.hadamard = self.rt.upload(np.ascontiguousarray(np.asarray(self.tables.hadamard, F32).T))
         self.rope_cs: dict[int, object] = {}
 
     def _rope_tables(self, positions: int) -> None:
@@ -427,7 +432,7 @@ class HipBackend:
         same bits. Rows cover every position the pages can hold."""
         for b in self.rope_cs.values():
             b.free()
-        t = self.model.tables
+        t = self.tables
         self._rope_rows = positions
         pos = np.arange(positions)
         for kind, omega in ((0, t.omega_main), (1, t.omega_compress)):

@@ -25,6 +25,7 @@ from ..backend import DECODE_LANES, check_block_table
 from ..paging.layout import PageLayout, index_row_nbytes, kv_row_nbytes
 from ..gguf.config import ATTN, CSA, INDEX, row_kinds
 from . import buffers
+from .runtime import GpuError
 
 # kernels/step_state.hip's row formats
 ROW_F32, ROW_KV, ROW_IX = 0, 1, 2
@@ -237,7 +238,6 @@ class DeviceState:
 
     def save_state(self, slot: int) -> int:
         self.check_slot(slot)
-        from .runtime import GpuError
         try:
             copy = self._spare.pop() if self._spare else self.rt.malloc(self.snapshot_bytes)
         except GpuError as exc:  # the engine serves on without this snapshot

@@ -1,6 +1,7 @@
 """Random Flash-shaped models made on the device, for the GPU benchmarks (decode, prompts,
 prefix cache, speculation): the 8-layer bf16 model, or Flash's 43 layers in the q2 policy.
-The weights never exist on the host; a stand-in takes the reference model's place beside them."""
+The weights never exist on the host; beside them, a namespace of the rest HipBackend is built
+from (config, numerics, tables; weights None)."""
 from __future__ import annotations
 
 import time
@@ -28,7 +29,8 @@ def make_mtp(rt, cfg, dw):
 
 
 def make_model(full: bool, experts: int = 256):
-    """(runtime, config, device weights, model stand-in, description): the 8-layer bf16 model
+    """(runtime, config, device weights, model parts (config, numerics, tables, weights=None: what
+    HipBackend is built from), description): the 8-layer bf16 model
     or, with full, Flash in the q2 policy; random weights made on the device."""
     from .device_weights import DeviceWeights
     from .guards import open_device

@@ -53,7 +53,7 @@ def model(request):
 
 def hip(model, rt):
     from ds4ref.hip.backend import HipBackend
-    return HipBackend(model.reference, runtime=rt)
+    return HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt)
 
 
 def assert_rows_bitwise(got, want, what: str) -> None:

@@ -38,7 +38,7 @@ def model(request):
 
 def hip(model, rt, n_slots=4, n_pages=24):
     from ds4ref.hip.backend import HipBackend
-    b = HipBackend(model.reference, runtime=rt, mtp=model.mtp)
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
     b.configure(n_slots, n_pages)
     return b
 
@@ -164,7 +164,8 @@ def test_draft_once_per_step_and_absent_without_mtp(model, rt):
     tw.step({0: [9]})
     with pytest.raises(ValueError, match="not a row of the last step"):
         tw.b.draft([DraftRequest(0, (2, 3), (9, 1), 1)])
-    plain = HipBackend(model.reference, runtime=rt, device_weights=tw.b.w)
+    plain = HipBackend(model.config, model.weights, model.numerics, model.tables,
+                       runtime=rt, device_weights=tw.b.w)
     assert not hasattr(plain, "draft") and hasattr(plain, "restore_state")
 
 
