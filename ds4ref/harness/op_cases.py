@@ -36,6 +36,7 @@ import numpy as np
 from ..backend import DECODE_LANES
 from ..hip import launch as K
 from ..hip import layouts
+from ..hip.device_state import ROW_F32, ROW_IX, ROW_KV
 from ..hip.runtime import get_runtime
 from ..numerics import canon
 from ..reference import ops as ref
@@ -151,9 +152,9 @@ def ref_indexer_paged(qi, wraw, scale, store, lanes, ncap, kind=0):
 
 def _compact_rows(rows, kind, n_rot):
     """Random rows the compact form stores exactly: fp8sim rows (KV), qat rows (indexer)."""
-    if kind == K.ROW_KV:
+    if kind == ROW_KV:
         return ref.fp8sim(rows, n_rot)
-    if kind == K.ROW_IX:
+    if kind == ROW_IX:
         return ref.qat(rows, ref.hadamard(rows.shape[-1], F32))
     return rows
 
@@ -161,8 +162,8 @@ def _compact_rows(rows, kind, n_rot):
 def make_attention(seed, L, H, D, W, store, kind, span=1, epilogue="none"):
     """epilogue: what the combine adds to the output ("rope": the inverse RoPE, "rope+q8": and
     its int8 rows)."""
-    n_rot = 64 if kind == K.ROW_KV else 0
-    if kind == K.ROW_KV and (D - n_rot) % 64:
+    n_rot = 64 if kind == ROW_KV else 0
+    if kind == ROW_KV and (D - n_rot) % 64:
         return None
     rng = np.random.default_rng(seed)
     ratio, per = (4, 8) if store == "selected" else (128, 2) if store == "all" else (4, 8)
@@ -824,10 +825,10 @@ CASES: tuple[OpCase, ...] = (
     OpCase("attention_paged", ("step_attention_split", "step_attention_combine"), g.attention_paged,
            ref_attention_paged, make_attention,
            dict(H=[1, 3, 8, 20], D=[32, 128, 512], W=range(1, 17), store=["none", "all", "selected"],
-                kind=[K.ROW_F32, K.ROW_KV], span=[1, 40], epilogue=["none", "rope", "rope+q8"]), "prompt",
+                kind=[ROW_F32, ROW_KV], span=[1, 40], epilogue=["none", "rope", "rope+q8"]), "prompt",
            perf=perf_attention),
     OpCase("indexer_paged", ("step_indexer_paged",), g.indexer_paged, ref_indexer_paged, make_indexer,
-           dict(Hi=[1, 8, 64], Di=[32, 128], kind=[K.ROW_F32, K.ROW_IX]), "prompt", perf=perf_indexer),
+           dict(Hi=[1, 8, 64], Di=[32, 128], kind=[ROW_F32, ROW_IX]), "prompt", perf=perf_indexer),
     OpCase("topk", ("ds4_topk",), g.topk_batched, ref_topk, make_topk,
            dict(ncap=range(1, 3001), k=[1, 7, 64, 512], n_levels=[3, 50, 0]), compare="equal"),
     OpCase("pool_window", ("ds4_pool_window",), g.pool_window, ref.pool_window, make_pool,

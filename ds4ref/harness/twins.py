@@ -19,7 +19,8 @@ from ..hip.launch import (
     launch_argmax, launch_attention_combine, launch_attention_split, launch_expert_list,
     launch_hc_pre_finish, launch_matvec, launch_matvec_slices, launch_norm_rope, launch_qat,
     launch_qexperts, launch_qmatvec, launch_quantize_q8, launch_rmsnorm, launch_rmsnorm_q8,
-    launch_routed_experts, launch_swiglu_act, matvec_ksplit, PagedLanes, Q8Rows, ROW_F32, ROW_KV)
+    launch_routed_experts, launch_swiglu_act, matvec_ksplit, PagedLanes, Q8Rows)
+from ..hip.device_state import ROW_F32, ROW_KV
 from ..hip.layouts import _need, DeviceWeight, pack_qrows, QUANT_WTYPES, weight_cols
 from ..hip.runtime import get_runtime, Runtime
 

@@ -212,7 +212,6 @@ def launch_add_rows(rt, a: DeviceBuffer, b: DeviceBuffer, out: DeviceBuffer, L: 
 AT_SPLIT = 32  # keys per slice: canon.ATTN_SLICE, and step_state.hip's AT3_SPLIT
 AT3_SPLIT = AT_SPLIT
 AT_CT = 128  # step_attention_combine's threads (step_state.hip's AT_CT)
-ROW_F32, ROW_KV, ROW_IX = 0, 1, 2  # step_state.hip's stored-row formats (docs/paging.md)
 
 
 def launch_attention_split(rt, H: int, L: int, nz: int, args: tuple) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ds4ref.hip import builds
 from ds4ref.hip import launch as K
 from ds4ref.hip import layouts
+from ds4ref.hip.device_state import ROW_F32, ROW_KV
 from ds4ref.harness import twins as g
 from ds4ref.harness.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
 from ds4ref.reference import ops as ref
@@ -164,7 +165,7 @@ def test_attention_batch_invariance(rt):
     """The paged attention at Flash's heads and width: a lane's bits alone equal its bits among
     16 (ring, pass rows and 200 selected compressed rows), and the reference's."""
     from ds4ref.harness.op_cases import make_attention, ref_attention_paged
-    args = make_attention(3, 16, 64, 512, 128, "selected", K.ROW_F32)[0]
+    args = make_attention(3, 16, 64, 512, 128, "selected", ROW_F32)[0]
     q, pass_kv, ring, pages, sel, ksel, lanes, sinks, kind, n_rot, _rope, _q8 = args
     among = g.attention_paged(*args, rt=rt)
     assert same_bits(among, ref_attention_paged(*args))
@@ -178,7 +179,7 @@ def test_attention_batch_invariance(rt):
 
 
 @pytest.mark.parametrize("defines", builds.ATTENTION_TUNING)
-@pytest.mark.parametrize("kind", [K.ROW_F32, K.ROW_KV])
+@pytest.mark.parametrize("kind", [ROW_F32, ROW_KV])
 @pytest.mark.parametrize("H", [20, 64])
 def test_attention_tuning_macros_agree(rt, monkeypatch, defines, kind, H):
     """step_attention_split's key tile, heads per warp and staging loads in flight (docs/kernels.md,
@@ -280,8 +281,8 @@ def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     slices cross chunks, and the bits stay the reference's (a tuning macro changes none)."""
     monkeypatch.setenv("DS4REF_KERNEL_DEFINES", builds.ATTENTION_COMBINE_TUNING)
     got, want = run_case(BY_NAME["attention_paged"], seed, 16, rt, H=3, D=128, W=16, store="all",
-                         kind=K.ROW_KV, span=40)
-    lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=K.ROW_KV, span=40)[0][6]
+                         kind=ROW_KV, span=40)
+    lanes = BY_NAME["attention_paged"].make(seed, 16, H=3, D=128, W=16, store="all", kind=ROW_KV, span=40)[0][6]
     assert max(n + min(16, p + 1) for n, p, s in zip(lanes.nvis, lanes.pos, lanes.slot) if s >= 0) > 2 * 32
     for a, b in zip(got, want):
         assert same_bits(a, b)
