@@ -139,6 +139,14 @@ def is_package(name: str) -> bool:
     return (PACKAGE.parent.joinpath(*name.split(".")) / "__init__.py").is_file()
 
 
+def test_the_gpu_backend_builds_on_the_numerics_not_on_the_reference(modules):
+    """hip/ shares the arithmetic and the config's tables with the reference through numerics/;
+    the comparison with NumPy lives in the harness and the tests."""
+    bad = sorted(f"{m} imports {d}" for m, deps in modules.items() if unit(m) == "hip"
+                 for d in deps if unit(d) == "reference")
+    assert bad == []
+
+
 def test_the_checks_catch_an_upward_import_and_a_cycle():
     up = {"ds4ref.gguf.config": {"ds4ref.hip.launch"}, "ds4ref.hip.launch": {"ds4ref.gguf.config"}}
     assert upward_imports(up) == ["ds4ref.gguf.config imports ds4ref.hip.launch (hip is above gguf)"]

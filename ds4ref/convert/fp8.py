@@ -20,22 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..numerics.grids import E2M1, E4M3FN as E4M3
+
 FP8_BLOCK = 128   # rows and columns per FP8 scale
 FP4_GROUP = 32    # values per FP4 scale (one MXFP4 block)
-
-
-def _e4m3fn_table() -> np.ndarray:
-    b = np.arange(256)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    e, m = (b >> 3) & 0xF, b & 0x7
-    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
-    mag = np.where((e == 15) & (m == 7), np.nan, mag)  # E4M3FN: no infinities, one NaN per sign
-    return (sign * mag).astype(np.float32)
-
-
-E4M3 = _e4m3fn_table()
 E8M0 = np.where(np.arange(256) == 255, np.nan, 2.0 ** (np.arange(256) - 127.0)).astype(np.float32)
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 class QuantError(ValueError):

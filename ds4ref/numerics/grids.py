@@ -1,8 +1,23 @@
-"""The FP8 E4M3FN and FP4 E2M1 grids of `official` numerics (spec §3.0): round to nearest, ties to
-even, on the mantissa grid; exact in any float dtype (only power-of-two scaling)."""
+"""The FP8 E4M3FN and FP4 E2M1 grids of `official` numerics (spec §3.0): the value of every code
+(the compact rows' and the FP8/FP4 checkpoints' decoding), and rounding to the grid (nearest, ties
+to even, on the mantissa grid; exact in any float dtype: only power-of-two scaling)."""
 from __future__ import annotations
 
 import numpy as np
+
+
+def _e4m3fn_table() -> np.ndarray:
+    """Value of every E4M3FN code (bias 7, subnormals m * 2^-9, 0x7F and 0xFF NaN)."""
+    code = np.arange(256)
+    exp, mant = (code >> 3) & 0xF, code & 7
+    mag = np.where(exp == 0, mant * 2.0 ** -9, (8 + mant) * 2.0 ** (exp - 10))
+    val = np.where(code & 0x80, -mag, mag)
+    val[[0x7F, 0xFF]] = np.nan
+    return val.astype(np.float32)
+
+
+E4M3FN = _e4m3fn_table()
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] + [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # by code
 
 
 def pow2_ceil_log2(y: np.ndarray) -> np.ndarray:

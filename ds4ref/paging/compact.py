@@ -24,26 +24,14 @@ import math
 import numba
 import numpy as np
 
+from ..numerics.grids import E2M1, E4M3FN
+
 F32 = np.float32
 KV_BLOCK, INDEX_BLOCK = 64, 32
 KV_QMAX, INDEX_QMAX = F32(448.0), F32(6.0)
 KV_FLOOR, INDEX_FLOOR = F32(1e-4), F32(7.052966104933725e-38)  # fp8sim's and qat's amax floors
 EXP_BIAS = 127
-
-
-def _e4m3fn_table() -> np.ndarray:
-    """Value of every E4M3FN code (bias 7, subnormals m * 2^-9, 0x7F and 0xFF NaN)."""
-    code = np.arange(256)
-    exp, mant = (code >> 3) & 0xF, code & 7
-    mag = np.where(exp == 0, mant * 2.0 ** -9, (8 + mant) * 2.0 ** (exp - 10))
-    val = np.where(code & 0x80, -mag, mag)
-    val[[0x7F, 0xFF]] = np.nan
-    return val.astype(F32)
-
-
-E4M3FN = _e4m3fn_table()
 E4M3FN_FORMAT = (-6, 3, 448.0, 0x80)  # smallest normal exponent, mantissa bits, max, sign code
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6] + [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6], F32)
 E2M1_FORMAT = (0, 1, 6.0, 0x8)
 
 
