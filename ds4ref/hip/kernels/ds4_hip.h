@@ -239,7 +239,7 @@ __device__ __forceinline__ float2 ds4_e4m3_block64(float x0, float x1) {
     return make_float2(ds4_round_to_grid(q0, -6, 3) * s, ds4_round_to_grid(q1, -6, 3) * s);
 }
 
-// ---- the canonical exp / log1p (reference/canon.py, docs/exactness.md) -----
+// ---- the canonical exp / log1p (numerics/canon.py, docs/exactness.md) -----
 // Built only from correctly rounded + - * /, so NumPy and both GPU vendors give the
 // same bits. Kernels are compiled with contraction off (runtime.py), so no
 // multiply-add below is fused. Constants are hexadecimal floats, as canon.py has them.
