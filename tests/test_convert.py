@@ -198,8 +198,9 @@ def test_incomplete_mtp_block_refused(tmp_path, model, official_ck):
         convert(official_ck, tmp_path / "m.gguf", mtp_out=tmp_path / "mtp.gguf")
 
 
-def _official_mtp(cfg):
-    """The official checkpoint's mtp.0.* tensors of a random MTP block, and the block by our names."""
+def official_mtp(cfg, eh=None):
+    """(the official checkpoint's mtp.0.* tensors of a random MTP block as arrays, the block by our
+    names); eh, if given, maps e_proj's and h_proj's values (tests/test_llama_cpp_convert.py)."""
     from ds4ref.convert.hf import EXPERT_OFFICIAL, LAYER_NAMES
     from ds4ref.gguf.mtp import OWN, PREFIX
     from ds4ref.gguf.tiny import random_mtp
@@ -209,13 +210,19 @@ def _official_mtp(cfg):
         suffix = name[len(PREFIX):]
         if suffix in EXPERT_OFFICIAL:
             for e in range(cfg.n_expert):
-                sd[f"mtp.0.ffn.experts.{e}.{EXPERT_OFFICIAL[suffix]}.weight"] = torch.from_numpy(v[e].copy())
+                sd[f"mtp.0.ffn.experts.{e}.{EXPERT_OFFICIAL[suffix]}.weight"] = v[e]
         elif suffix in OWN:
             key = suffix if suffix.endswith(("proj.weight", "norm.weight")) else suffix.removesuffix(".weight")
-            sd["mtp.0." + key] = torch.from_numpy(v.copy())
+            sd["mtp.0." + key] = eh(v) if eh is not None and suffix in ("e_proj.weight", "h_proj.weight") else v
         else:
-            sd["mtp.0." + LAYER_NAMES[suffix][0]] = torch.from_numpy(v.copy())
+            sd["mtp.0." + LAYER_NAMES[suffix][0]] = v
     return sd, ours
+
+
+def _official_mtp(cfg):
+    """official_mtp's tensors as torch tensors, for a checkpoint rewrite."""
+    sd, ours = official_mtp(cfg)
+    return {k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, ours
 
 
 def test_mtp_block_written_beside(tmp_path, model, official_ck):

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 import ds4ref
-from ds4ref.convert.hf import EXPERT_OFFICIAL, LAYER_NAMES, config_to_hf, to_checkpoint_tensors
+from ds4ref.convert.hf import config_to_hf, to_checkpoint_tensors
 from ds4ref.gguf.file import MTPFile, stored_values
-from ds4ref.gguf.mtp import OWN, PREFIX
-from ds4ref.gguf.tiny import random_mtp, random_tensors, tiny_config
+from ds4ref.gguf.tiny import random_tensors, tiny_config
 from ds4ref.gguf.tokenizer import tiny_tokenizer_meta
 from pypi_assets import LLAMA_CPP_SDIST, pypi_sdist_folder
 
@@ -48,20 +47,8 @@ def _official_mtp(cfg) -> dict:
     """The MTP block's tensors by the official checkpoint's names (mtp.0.*). e_proj and h_proj hold
     Q8_0 values: llama.cpp's converter always stores eh_proj as Q8_0 (tensor_force_quant), and a
     value of the Q8_0 grid comes back from its quantisation unchanged."""
-    ours, _ = random_mtp(cfg, 3)
-    out = {}
-    for name, v in ours.items():
-        suffix = name[len(PREFIX):]
-        if suffix in EXPERT_OFFICIAL:
-            for e in range(cfg.n_expert):
-                out[f"mtp.0.ffn.experts.{e}.{EXPERT_OFFICIAL[suffix]}.weight"] = v[e]
-        elif suffix in ("e_proj.weight", "h_proj.weight"):
-            out["mtp.0." + suffix] = stored_values(v, "q8_0")
-        elif suffix in OWN:
-            out["mtp.0." + (suffix if suffix.endswith("norm.weight") else suffix.removesuffix(".weight"))] = v
-        else:
-            out["mtp.0." + LAYER_NAMES[suffix][0]] = v
-    return out
+    from test_convert import official_mtp  # imports torch, which the converter needs anyway
+    return official_mtp(cfg, eh=lambda v: stored_values(v, "q8_0"))[0]
 
 
 def _tokenizer_files(path) -> None:
