@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .gguf.config import DS4Config
+from .numerics.tables import Tables
 from .reference.model import Model
 
 BACKENDS = ("numpy", "hip")
@@ -26,9 +27,11 @@ class DS4Model:
         self.config: DS4Config = self.reference.config
         self.numerics = numerics
         self.mtp = None  # the MTP block's reference (reference/mtp.py) when the model has one
+        self.mtp_weights = None  # its MTPWeights (gguf.mtp) in the model's dtype: what HipBackend uploads
         if mtp_weights is not None:
             from .reference.mtp import MTP
             self.mtp = MTP(self.reference, mtp_weights)
+            self.mtp_weights = self.mtp.weights
         self._device = None
         if backend == "hip":
             self._device = self.make_backend()  # fail at load, naming what is missing, not mid-request
@@ -43,10 +46,10 @@ class DS4Model:
     def weights(self):
         return self.reference.weights
 
-    @property
-    def tables(self):
-        """The tables derived from the config (numerics.tables.Tables), as the reference built them."""
-        return self.reference.tables
+    @cached_property
+    def tables(self) -> Tables:
+        """The tables derived from the config (RoPE frequencies, the indexer's Hadamard)."""
+        return Tables.build(self.config, self.weights.dtype)
 
     @cached_property
     def tokenizer(self):
@@ -64,8 +67,8 @@ class DS4Model:
             if self._device is not None:  # weights are on the device already: share them
                 return HipBackend(self.config, self.weights, self.numerics, self.tables,
                                   runtime=self._device.rt, device_weights=self._device.w,
-                                  mtp=self.mtp, mtp_device_weights=self._device.mtp and self._device.mtp.w)
-            return HipBackend(self.config, self.weights, self.numerics, self.tables, mtp=self.mtp)
+                                  mtp=self.mtp_weights, mtp_device_weights=self._device.mtp and self._device.mtp.w)
+            return HipBackend(self.config, self.weights, self.numerics, self.tables, mtp=self.mtp_weights)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -27,7 +27,7 @@ def model(request):
 
 
 def backend_with_mtp(model, rt, n_slots=4, n_pages=16):
-    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
     b.configure(n_slots, n_pages)
     return b
 

@@ -241,7 +241,7 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
     model = from_file(model_file, numerics=numerics)
     assert model.mtp is not None and plan.draft > 0  # the tiny model's MTP block: its state is counted
     rt = HostRuntime()
-    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
     assert backend.compact == (plan.storage == "compact")
     assert backend.mtp.bytes_needed(plan.lanes, plan.n_pages, plan.page_tokens, PREFILL_ROWS,
                                     backend.compact) == plan.draft
@@ -264,7 +264,7 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
         free += 1
     for fits, have in ((True, free), (False, free - 1)):
         rt = HostRuntime(have)
-        backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
+        backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
         uploaded = rt.allocated
         with pytest.raises(_Recorded if fits else DeviceMemoryError):
             backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)

@@ -104,7 +104,8 @@ class HipBackend:
         """Built from what the pass needs: the model's config, its host weights (gguf.weights;
         None when device_weights are given), the numerics ("official" or "plain") and the tables
         derived from the config (numerics.tables.Tables: RoPE frequencies, Hadamard).
-        mtp: the model's MTP block (its config and weights; DS4Model.mtp), for draft()."""
+        mtp: the MTP block's weights (gguf.mtp.MTPWeights, carrying its config; DS4Model.mtp_weights),
+        for draft()."""
         self.cfg = config
         self.numerics = numerics
         self.tables = tables

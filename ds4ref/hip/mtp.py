@@ -107,7 +107,7 @@ class MTPDevice:
     def __init__(self, backend, mtp, device_weights: DeviceWeights | None = None):
         self.rt, self.cfg = backend.rt, mtp.config
         self.w = device_weights if device_weights is not None else DeviceWeights.from_mtp(
-            backend.rt, mtp.weights, backend.w, backend.quantised_products)
+            backend.rt, mtp, backend.w, backend.quantised_products)
         self.state: DeviceState | None = None
         self.programs: dict[int, object] = {}
         self.graphs: dict[int, object] = {}

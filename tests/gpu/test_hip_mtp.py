@@ -38,7 +38,7 @@ def model(request):
 
 def hip(model, rt, n_slots=4, n_pages=24):
     from ds4ref.hip.backend import HipBackend
-    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp)
+    b = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
     b.configure(n_slots, n_pages)
     return b
 

@@ -59,7 +59,7 @@ def test_speculation_on_the_device_changes_no_bit(model, rt, k, seed, n, cache, 
     truth = {i: [t for t, _, _ in want[0][i]] for i in ids}
     drafter = None if rate is None else OracleDrafter(truth, rate, V, seed)
     eng = Engine(model, 3, backend=HipBackend(model.config, model.weights, model.numerics, model.tables,
-                                              runtime=rt, mtp=model.mtp), prefix_cache=cache,
+                                              runtime=rt, mtp=model.mtp_weights), prefix_cache=cache,
                  speculative_tokens=k, drafter=drafter, spec_min_rate=0.0)
     eng.run(reqs())
     assert trace(eng, ids) == want
@@ -86,7 +86,7 @@ def test_preemption_and_cancellation_on_the_device(model, rt):
     truth = {i: [t for t, _, _ in want[i]] for i in ids}
     for drafter in (None, OracleDrafter(truth, 0.8, model.config.vocab_size, 1)):
         eng = Engine(model, backend=HipBackend(model.config, model.weights, model.numerics, model.tables,
-                                               runtime=rt, mtp=model.mtp), speculative_tokens=3,
+                                               runtime=rt, mtp=model.mtp_weights), speculative_tokens=3,
                      drafter=drafter, spec_min_rate=0.0, **kw)
         sch, cancelled = eng.scheduler, False
         for r in reqs():
