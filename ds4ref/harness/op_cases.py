@@ -526,15 +526,15 @@ def perf_experts(b, L):
     rt = b.rt
     E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
     one = layouts.f32_to_bf16_bits(b.rnd(ff, d, scale=1 / math.sqrt(d)))
-    for name, N, K, per_choice in (("experts gate bf16 256x2048x4096", ff, d, 0),
+    for name, N, cols, per_choice in (("experts gate bf16 256x2048x4096", ff, d, 0),
                                    ("experts down bf16 256x4096x2048", d, ff, 1)):
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
-        x = b.up(b.rnd(P * kk if per_choice else P, K))
+        x = b.up(b.rnd(P * kk if per_choice else P, cols))
         y = b.out((P * kk, N))
         for r in (1, 2, 4):
-            def run(r=r, N=N, K=K, pc=per_choice, x=x, y=y, wb=wb):
-                K.launch_routed_experts(rt, wb, "bf16", r, x, pc, make_list(), y, N, K, kk)
-            b.add(f"{name} [r{r}]", L, touched * N * K * 2 + 4 * L * kk * (K + N), [run],
+            def run(r=r, N=N, cols=cols, pc=per_choice, x=x, y=y, wb=wb):
+                K.launch_routed_experts(rt, wb, "bf16", r, x, pc, make_list(), y, N, cols, kk)
+            b.add(f"{name} [r{r}]", L, touched * N * cols * 2 + 4 * L * kk * (cols + N), [run],
                   f"{touched} experts touched")
 
 
@@ -544,20 +544,20 @@ def perf_qexperts(b, L):
     chosen experts' bytes are counted."""
     rt = b.rt
     E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
-    for name, wtype, N, K, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
+    for name, wtype, N, cols, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
                                           ("experts down q2_k 256x4096x2048", "q2_k", d, ff, 1)):
-        one = layouts.pack_qrows(wtype, make_weight(0, N, K, wtype)[0])
+        one = layouts.pack_qrows(wtype, make_weight(0, N, cols, wtype)[0])
         wb = b.up(np.tile(one.reshape(-1), E))  # E copies of one matrix: the bytes are what count
         rows = P * kk if per_choice else P
-        q = K.Q8Rows.alloc(rt, rows * K)
+        q = K.Q8Rows.alloc(rt, rows * cols)
         b.keep += [q.xq, q.dx, q.xs]
-        x, y = b.up(b.rnd(rows, K)), b.out((P * kk, N))
+        x, y = b.up(b.rnd(rows, cols)), b.out((P * kk, N))
 
-        def run(N=N, K=K, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
+        def run(N=N, cols=cols, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
             elist = make_list()
-            K.launch_quantize_q8(rt, x, q, rows, K)
-            K.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, K, kk)
-        b.add(name, L, touched * one.nbytes + 4 * L * kk * (K + N), [run], f"{touched} experts touched")
+            K.launch_quantize_q8(rt, x, q, rows, cols)
+            K.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, cols, kk)
+        b.add(name, L, touched * one.nbytes + 4 * L * kk * (cols + N), [run], f"{touched} experts touched")
 
 
 def perf_rmsnorm(b, L):
