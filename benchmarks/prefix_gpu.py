@@ -115,7 +115,7 @@ def make_backend(which: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="perf_prefix_gpu.md")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
     ap.add_argument("--json", default=None)
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--full", action="store_true", help="Flash, 43 layers in the q2 policy (about 87 GB)")
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|---|---|---|")
     text = (f"{what}; turn 2 adds an end-of-turn token and {args.turn} tokens after a {args.reply}-token reply; "
             f"{time.time() - t0:.0f} s in all.\n\n{head}\n" + "\n".join(lines) + "\n")
-    Path(args.out).write_text(text)
+    if args.out:
+        Path(args.out).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=what, runs=recs), indent=1))
     print(text)
