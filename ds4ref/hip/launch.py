@@ -167,7 +167,7 @@ def matvec_rows_per_warp(rt, rows: int, L: int = DECODE_LANES) -> int:
 RPW3_POLICY = ((2, 2049),)
 # a prompt pass's dense matvecs: r2 for every matrix (r1 would stage each lane group's inputs
 # for 8 rows only; r4 measured slower: 208 registers, one block per multiprocessor; H200,
-# docs/performance.md "Prompt passes")
+# docs/results/prompt_passes.md)
 PREFILL_RPW = getenv_int("DS4REF_PREFILL_RPW")
 
 
@@ -281,7 +281,7 @@ def expert_list_ints(n_expert: int, kk: int, L: int = DECODE_LANES) -> int:
 
 # encodings with a 4-rows-per-warp routed-expert kernel (step_ops.hip). bf16 only: in a prompt
 # pass it took bf16 experts from 114.6 to 85.3 ms, but IQ2_XXS from 330.8 to 342.2 and Q2_K from
-# 154.9 to 171.0 ms (H200, docs/performance.md "Prompt passes"), so the others stop at 2
+# 154.9 to 171.0 ms (H200, docs/results/prompt_passes.md), so the others stop at 2
 EXPERT_R4 = ("bf16",)
 
 
@@ -343,13 +343,13 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
 
 # Passes of more rows than MMA_ROWS run dense quantised products as the tiled int8 GEMM
 # (qgemm.hip): 1.4x (Q8_0) to 2.5x (IQ2_XXS) the dp4a kernel at 256 rows on the H200
-# (docs/performance.md, "Latency-bound kernels spread out, ..."), the same bits.
+# (docs/results/prompt_gemm.md), the same bits.
 MMA_ROWS = 16
 
 
 def qmatvec_rows_per_warp(rows: int) -> int:
     """Rows a warp of the decode products (rows: the launch's, all groups). Measured on the H200
-    (docs/performance.md): one row a warp up to 1,024 rows (Flash's attn_q_a, attn_kv), where
+    (docs/results/decode_layouts.md): one row a warp up to 1,024 rows (Flash's attn_q_a, attn_kv), where
     the grid is otherwise too small to keep the memory busy; two from there on."""
     return 2 if rows > 1024 else 1
 
