@@ -342,7 +342,7 @@ def launch_quantize_q8(rt, x: DeviceBuffer, q: Q8Rows, rows: int, W: int, ldx: i
 
 
 # Passes of more rows than MMA_ROWS run dense quantised products as the tiled int8 GEMM
-# (qgemm.hip): 1.4x (Q8_0) to 2.5x (IQ2_XXS) the dp4a kernel at 256 rows on the H200
+# (qgemm.hip): 1.5x (Q2_K) to 2.0x (Q8_0, IQ2_XXS) the dp4a kernel on 4096 x 4096 at 256 rows on the H200
 # (docs/results/prompt_gemm.md), the same bits.
 MMA_ROWS = 16
 
