@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),               # ds4ref.load: a model file with its backends
     ("serve",),               # the OpenAI-compatible server
     ("cli",),                 # command-line tools
+    ("diff",),                # cross-engine dumps of intermediates and their comparison
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

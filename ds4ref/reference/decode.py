@@ -20,7 +20,7 @@ import numpy as np
 
 from ..gguf.config import CSA
 from ..numerics.tables import Tables
-from . import ops
+from . import ops, tap
 from .layers import (LayerWeights, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
                      indexer_query, project_qkv)
 from .state import ATTN, INDEX, row_kinds
@@ -85,6 +85,8 @@ def compress(lw: LayerWeights, kind: str, rows: Rows, il: int, a: np.ndarray, ta
     ratio = cfg.ratio(il)
     kv = ops.linear(a, lw.matrix(f"{prefix}_kv.weight"))
     score = ops.linear(a, lw.matrix(f"{prefix}_gate.weight")) + lw[f"{prefix}_ape.weight"][rows.positions % ratio]
+    tap.put(lw.prefix, "attn_comp_kv" if kind == ATTN else "idx_comp_kv", kv)
+    tap.put(lw.prefix, "attn_comp_score" if kind == ATTN else "idx_comp_score", score)
     done = []
     for i, (st, pos) in enumerate(zip(rows.states, rows.positions)):
         window = compressor_feed(st.compressor(il, kind), int(pos), kv[i], score[i])
@@ -118,12 +120,17 @@ def visible_compressed(lw, cfg, tables, numerics, rows: Rows, il, a, qr, cos, si
     pick = np.nonzero(n > top_k)[0] if ratio == CSA else []
     if len(pick) == 0:
         return out
-    qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick])
+    qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick], rows.positions[pick])
     for start, stop in rows.runs():
         j = np.nonzero((pick >= start) & (pick < stop))[0]  # this run's picking rows, in qi
         if len(j):
             keys = rows.states[start].get_rows(il, INDEX, int(n[stop - 1]))
-            for i, chosen in zip(pick[j], ops.indexer_topk(qi[j], wts[j], keys, n[pick[j]], top_k)):
+            topk = ops.indexer_topk(qi[j], wts[j], keys, n[pick[j]], top_k)
+            if tap.on():
+                at = rows.positions[pick[j]]
+                tap.put(lw.prefix, "idx_score", ops.indexer_score_table(qi[j], wts[j], keys, n[pick[j]]), at)
+                tap.put(lw.prefix, "idx_topk", topk, at)
+            for i, chosen in zip(pick[j], topk):
                 out[i] = out[i][chosen]
     return out
 
@@ -137,6 +144,8 @@ def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
     cos, sin = ops.rope_cos_sin(tables.omega(ratio), rows.positions, u.dtype)
     q = ops.rope(q, cos[:, None, :], sin[:, None, :])
     kv = ops.rope(kv, cos, sin)
+    tap.put(lw.prefix, "q", q)
+    tap.put(lw.prefix, "kv", kv)
     if numerics == "official":
         kv = ops.fp8sim(kv, cfg.n_rot)
     keys = raw_keys(rows, il, kv)
@@ -168,6 +177,7 @@ def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.nda
         if hidden:
             return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         return np.concatenate(parts)
+    tap.begin(rows.positions, rows.tokens, rows.positions[emit])
     streams = embed(weights, rows.tokens, cfg)
     for il in range(cfg.n_layer):
         lw = LayerWeights(weights, il, numerics)

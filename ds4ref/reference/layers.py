@@ -8,7 +8,7 @@ import numpy as np
 
 from ..gguf.config import DS4Config
 from ..numerics.tables import Tables
-from . import ops
+from . import ops, tap
 
 NUMERICS = ("official", "plain")
 
@@ -43,8 +43,11 @@ class LayerWeights:
 
 
 def hc(lw: LayerWeights, part: str, cfg: DS4Config, streams: np.ndarray):
-    return ops.hc_pre(streams, lw.matrix(f"hc_{part}_fn.weight"), lw[f"hc_{part}_base.weight"],
-                      lw[f"hc_{part}_scale.weight"], cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    tap.put(lw.prefix, "hc_attn_in" if part == "attn" else "hc_attn_out", streams)
+    u, post, comb = ops.hc_pre(streams, lw.matrix(f"hc_{part}_fn.weight"), lw[f"hc_{part}_base.weight"],
+                               lw[f"hc_{part}_scale.weight"], cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    tap.put(lw.prefix, f"hc_{part}_pre", u)
+    return u, post, comb
 
 
 def project_qkv(lw: LayerWeights, cfg: DS4Config, u: np.ndarray):
@@ -55,20 +58,25 @@ def project_qkv(lw: LayerWeights, cfg: DS4Config, u: np.ndarray):
     q = ops.linear(qr, lw.matrix("attn_q_b.weight")).reshape(u.shape[0], cfg.n_head, cfg.head_dim)
     q = ops.rms0(q, eps)
     kv = ops.rmsnorm(ops.linear(a, lw.matrix("attn_kv.weight")), lw["attn_kv_a_norm.weight"], eps)
+    tap.put(lw.prefix, "attn_norm", a)
+    tap.put(lw.prefix, "qr", qr)
     return a, qr, q, kv
 
 
 def indexer_query(lw: LayerWeights, cfg: DS4Config, tables: Tables, numerics: str,
-                  a: np.ndarray, qr: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+                  a: np.ndarray, qr: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos=None):
     """Indexer query heads (N, Hi, Di), roped at the query position (then Hadamard + FP4
-    in official numerics), and per-head weights (N, Hi) scaled by 1/sqrt(Hi*Di)."""
+    in official numerics), and per-head weights (N, Hi) scaled by 1/sqrt(Hi*Di).
+    pos: the rows' positions, for the tap."""
     n = a.shape[0]
     qi = ops.linear(qr, lw.matrix("indexer.attn_q_b.weight")).reshape(n, cfg.indexer_heads, cfg.indexer_head_dim)
     qi = ops.rope(qi, cos[:, None, :], sin[:, None, :])
+    tap.put(lw.prefix, "idx_q", qi, pos)
     if numerics == "official":
         qi = ops.qat(qi, tables.hadamard)
     scale = a.dtype.type(1.0 / math.sqrt(cfg.indexer_heads * cfg.indexer_head_dim))
     wts = ops.linear(a, lw.matrix("indexer.proj.weight")) * scale
+    tap.put(lw.prefix, "idx_weights", wts, pos)
     return qi, wts
 
 
@@ -79,6 +87,7 @@ def finish_compressed_row(lw: LayerWeights, prefix: str, pooled: np.ndarray, fir
     row = ops.rmsnorm(pooled, lw[f"{prefix}_norm.weight"], cfg.rms_eps)
     cos, sin = ops.rope_cos_sin(tables.omega_compress, first_pos, row.dtype)
     row = ops.rope(row, cos, sin)
+    tap.put(lw.prefix, "idx_comp_row" if hadamard_kind else "attn_comp_row", row, first_pos)
     if numerics == "official":
         row = ops.qat(row, tables.hadamard) if hadamard_kind else ops.fp8sim(row, cfg.n_rot)
     return row
@@ -86,8 +95,11 @@ def finish_compressed_row(lw: LayerWeights, prefix: str, pooled: np.ndarray, fir
 
 def attention_output(lw: LayerWeights, cfg: DS4Config, o: np.ndarray, cos, sin) -> np.ndarray:
     """Remove the absolute rotation V's tail carries, then the grouped output projection."""
+    tap.put(lw.prefix, "attn_o", o)
     o = ops.rope(o, cos[:, None, :], sin[:, None, :], inverse=True)
-    return ops.grouped_output(o, lw.matrix("attn_output_a.weight"), lw.matrix("attn_output_b.weight"), cfg.o_groups)
+    out = ops.grouped_output(o, lw.matrix("attn_output_a.weight"), lw.matrix("attn_output_b.weight"), cfg.o_groups)
+    tap.put(lw.prefix, "attn_out", out)
+    return out
 
 
 def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
@@ -104,15 +116,26 @@ def moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.
 def _moe(lw: LayerWeights, cfg: DS4Config, il: int, x: np.ndarray, tokens) -> np.ndarray:
     hash_ids = lw["ffn_gate_tid2eid.weight"][np.asarray(tokens)] if cfg.is_hash_layer(il) else None
     bias = None if hash_ids is not None else lw["exp_probs_b.bias"]
-    ids, w = ops.route_rows(ops.linear(x, lw.matrix("ffn_gate_inp.weight")), cfg.n_expert_used, bias, hash_ids,
-                            cfg.expert_weights_scale, cfg.expert_weights_norm)
+    logits = ops.linear(x, lw.matrix("ffn_gate_inp.weight"))
+    ids, w = ops.route_rows(logits, cfg.n_expert_used, bias, hash_ids, cfg.expert_weights_scale,
+                            cfg.expert_weights_norm)
     down = routed_experts(lw, cfg.swiglu_clamp[il], x, ids)
     y = np.zeros_like(x)
     for j in range(ids.shape[1]):
         y = y + w[:, j, None] * down[:, j]
+    tap.put(lw.prefix, "router_logits", logits)
+    if tap.on():  # what the choice ranks, as route_rows forms it
+        tap.put(lw.prefix, "router_scores", np.sqrt(ops.softplus(logits)) + (0 if bias is None else bias))
+    tap.put(lw.prefix, "router_ids", ids)
+    tap.put(lw.prefix, "router_weights", w)
+    tap.put(lw.prefix, "expert_down", down)
+    tap.put(lw.prefix, "ffn_moe", y)
     if cfg.n_expert_shared:
-        y = y + ops.swiglu(x, lw.matrix("ffn_gate_shexp.weight"), lw.matrix("ffn_up_shexp.weight"),
-                           lw.matrix("ffn_down_shexp.weight"), cfg.swiglu_clamp[il])
+        shared = ops.swiglu(x, lw.matrix("ffn_gate_shexp.weight"), lw.matrix("ffn_up_shexp.weight"),
+                            lw.matrix("ffn_down_shexp.weight"), cfg.swiglu_clamp[il])
+        tap.put(lw.prefix, "ffn_shexp", shared)
+        y = y + shared
+    tap.put(lw.prefix, "ffn_out", y)
     return y
 
 
@@ -129,7 +152,10 @@ def routed_experts(lw: LayerWeights, clamp: float, x: np.ndarray, ids: np.ndarra
 def ffn_block(lw: LayerWeights, cfg: DS4Config, il: int, streams: np.ndarray, tokens) -> np.ndarray:
     u, post, comb = hc(lw, "ffn", cfg, streams)
     x = ops.rmsnorm(u, lw["ffn_norm.weight"], cfg.rms_eps)
-    return ops.hc_post(streams, moe(lw, cfg, il, x, tokens), post, comb)
+    tap.put(lw.prefix, "ffn_norm", x)
+    out = ops.hc_post(streams, moe(lw, cfg, il, x, tokens), post, comb)
+    tap.put(lw.prefix, "hc_ffn_out", out)
+    return out
 
 
 def embed(weights, tokens, cfg: DS4Config) -> np.ndarray:
@@ -146,5 +172,9 @@ def head(weights, cfg: DS4Config, numerics: str, streams: np.ndarray, mix=None) 
                weights.get("output_hc_scale.weight"), weights.get("output_norm.weight"))
     fn, base, scale, norm = mix
     x = ops.hc_head(streams, fn, base, scale, cfg.rms_eps, cfg.hc_eps)
+    tap.put("output.", "hc_head", x)
     x = ops.rmsnorm(x, norm, cfg.rms_eps)
-    return ops.linear(x, product_weight(weights, "output.weight", numerics))
+    tap.put("output.", "norm", x)
+    logits = ops.linear(x, product_weight(weights, "output.weight", numerics))
+    tap.put("output.", "logits", logits)
+    return logits

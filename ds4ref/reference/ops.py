@@ -285,6 +285,20 @@ def indexer_topk(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.n
                      for r in range(qi.shape[0])])
 
 
+def indexer_score_table(qi: np.ndarray, wts: np.ndarray, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The scores indexer_topk chooses from: (m, max counts), -inf past counts[r] (the tap's)."""
+    counts = np.asarray(counts)
+    if _canonical(qi):
+        out = canon.indexer_scores_rows(qi, wts, keys, counts)
+    else:
+        out = np.zeros((qi.shape[0], keys.shape[0]), qi.dtype)
+        for r in range(qi.shape[0]):
+            out[r, :counts[r]] = indexer_scores(qi[r], wts[r], keys[:counts[r]])
+    out = out[:, :counts.max()]
+    out[np.arange(out.shape[1])[None, :] >= counts[:, None]] = NEG_INF
+    return out
+
+
 def topk_lower_index(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k highest scores, ties broken by the lower index, returned ascending."""
     n = scores.shape[-1]

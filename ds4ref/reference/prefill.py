@@ -10,7 +10,7 @@ import numpy as np
 
 from ..gguf.config import CSA
 from ..numerics.tables import Tables
-from . import ops
+from . import ops, tap
 from .layers import (LayerWeights, attention_output, embed, ffn_block, finish_compressed_row, hc, head,
                      indexer_query, project_qkv)
 
@@ -33,6 +33,9 @@ def compressed_rows(lw, cfg, tables, numerics, a, ratio, prefix, width, hadamard
     t = a.shape[0]
     c = ops.linear(a, lw.matrix(f"{prefix}_kv.weight"))
     g = ops.linear(a, lw.matrix(f"{prefix}_gate.weight")) + lw[f"{prefix}_ape.weight"][np.arange(t) % ratio]
+    kind = "idx" if hadamard_kind else "attn"
+    tap.put(lw.prefix, f"{kind}_comp_kv", c)
+    tap.put(lw.prefix, f"{kind}_comp_score", g)
     kv, score = window_candidates(c, g, ratio, width)
     if kv.shape[0] == 0:
         return np.zeros((0, width), a.dtype)
@@ -50,12 +53,16 @@ def compressed_mask(cfg, tables, numerics, lw, il, a, qr, cos, sin) -> tuple[np.
     if ratio == CSA and rows.shape[0] > cfg.indexer_top_k:
         keys = compressed_rows(lw, cfg, tables, numerics, a, 4, "indexer_compressor",
                                cfg.indexer_head_dim, True)
-        qi, wts = indexer_query(lw, cfg, tables, numerics, a, qr, cos, sin)
+        qi, wts = indexer_query(lw, cfg, tables, numerics, a, qr, cos, sin, np.arange(t))
         for i in np.nonzero(n_visible > cfg.indexer_top_k)[0]:
             n = n_visible[i]
             scores = ops.indexer_scores(qi[i], wts[i], keys[:n])
             mask[i] = False
             mask[i, ops.topk_lower_index(scores, cfg.indexer_top_k)] = True
+            if tap.on():
+                at = np.array([i])
+                tap.put(lw.prefix, "idx_score", scores[None], at)
+                tap.put(lw.prefix, "idx_topk", ops.topk_lower_index(scores, cfg.indexer_top_k)[None], at)
     return rows, mask
 
 
@@ -66,6 +73,8 @@ def attention_block(lw, cfg, tables, numerics, il, streams):
     cos, sin = ops.rope_cos_sin(tables.omega(ratio), np.arange(t), u.dtype)
     q = ops.rope(q, cos[:, None, :], sin[:, None, :])
     kv = ops.rope(kv, cos, sin)
+    tap.put(lw.prefix, "q", q)
+    tap.put(lw.prefix, "kv", kv)
     if numerics == "official":
         kv = ops.fp8sim(kv, cfg.n_rot)
     pos = np.arange(t)
@@ -82,6 +91,7 @@ def attention_block(lw, cfg, tables, numerics, il, streams):
 def prefill_logits(weights, tables: Tables, numerics: str, tokens) -> np.ndarray:
     """Logits (T, vocab) for every position of `tokens`, all at once."""
     cfg = weights.config
+    tap.begin(np.arange(len(tokens)), np.asarray(tokens), np.arange(len(tokens)))
     streams = embed(weights, tokens, cfg)
     for il in range(cfg.n_layer):
         lw = LayerWeights(weights, il, numerics)
