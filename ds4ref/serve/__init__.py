@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from ..backend import DECODE_LANES
+from ..scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -18,11 +19,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None,
-                speculative_tokens: int = 0):
+                speculative_tokens: int = 0, max_itl_ms: Optional[float] = DEFAULT_MAX_ITL_MS):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
-    max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
-    prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model (ds4ref.load's `mtp`);
-    speculative_tokens: drafts per round (0: off), from the model's MTP block."""
+    max_itl_ms are the Scheduler's (None: chunked prefill over the whole pass, no inter-token
+    budget); max_batched_rows sizes the backend's largest pass and the Scheduler's (None:
+    pass_rows' default); prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model
+    (ds4ref.load's `mtp`); speculative_tokens: drafts per round (0: off), from its MTP block."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -39,11 +41,13 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     if speculative_tokens and model.mtp is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
                          f"none; give its MTP file with --mtp FILE")
-    engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
+    rows = pass_rows(backend, model.config, max_batched_rows)
+    engine = SeqEngine(model.make_backend(backend, max(rows, DECODE_LANES)), model.config,
+                       max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
                        speculative_tokens=speculative_tokens)
-    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
-                          max_batched_rows=max_batched_rows)
+    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum, max_batched_rows=rows,
+                          max_itl_ms=max_itl_ms)
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
@@ -54,7 +58,9 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
-                    f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
+                    f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, "
+                    f"{f'sized to a {max_itl_ms:g} ms inter-token budget' if max_itl_ms else 'no inter-token budget'}), "
+                    f"{engine.pool.n_pages} KV pages of "
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
@@ -63,14 +69,27 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     return state
 
 
+def pass_rows(backend: str, config, max_batched_rows: Optional[int]) -> int:
+    """The most rows of one pass when serving: --max-batched-rows, else LONG_PASS_ROWS (a lone
+    prompt's pass) within the most the hip kernels run for this model (hip.launch.largest_pass)."""
+    if backend != "hip":
+        return LONG_PASS_ROWS if max_batched_rows is None else max_batched_rows
+    from ..hip.launch import largest_pass
+    most = largest_pass(config)
+    if max_batched_rows is None:
+        return min(LONG_PASS_ROWS, most)
+    if max_batched_rows > most:
+        raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at most {most}: the hip kernels run "
+                         f"passes of up to {most} rows of a model of {config.n_expert} experts")
+    return max_batched_rows
+
+
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
                kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
                prefix_cache: bool = True, mtp: Optional[str] = None):
     """The opened model file (header only) and the memory plan of serving it with these
-    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
-    (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
+    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing."""
     from ..gguf.file import open_gguf
-    from ..backend import PREFILL_ROWS
     from ..paging.layout import kv_storage
     from ..paging.plan import make_plan, weight_bytes
     from ..gguf.tiny import default_model_path, packaged_mtp
@@ -102,15 +121,16 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
                      mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
+    rows = max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES)
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
         from dataclasses import replace
         from ..gguf.mtp import mtp_config
         from ..hip.mtp import device_bytes
         from ..hip.workspace import with_pass_workspace
-        plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
+        plan = with_pass_workspace(plan, rows, numerics)
         if has_mtp:
             plan = replace(plan, draft=device_bytes(mtp_config(model_file.config), plan.lanes, plan.n_pages,
-                                                    plan.page_tokens, PREFILL_ROWS, storage == "compact"))
+                                                    plan.page_tokens, rows, storage == "compact"))
     return model_file, plan
 
 
