@@ -7,8 +7,8 @@ budget (`max_itl_ms`): Sarathi-Serve's stall-free batching, with the token budge
 the latency target instead of set by hand.
 
 `PassCost` is a given model: it learns nothing, so a schedule under it depends only on the
-requests (tests inject one). `MeasuredPassCost` starts from a prior and fits the line to the
-passes the engine times.
+requests (tests inject one). `MeasuredPassCost` starts from a prior and follows the passes the
+engine times.
 """
 from __future__ import annotations
 
@@ -45,22 +45,41 @@ FLASH_H200 = PassCost(fixed_ms=16.9, row_ms=1.305)
 
 
 class MeasuredPassCost:
-    """A line fitted to the passes the engine times: per pass size (lanes), the smoothed wall time
-    of its recent passes (an exponential average, so it follows the history growing under a long
-    prompt); the line is their least-squares fit once two sizes are known, the prior scaled
-    through the one size known before that. The first pass of each size is not counted: it pays
-    what later ones do not (a graph capture, a Numba compile)."""
+    """The cost of the passes the engine times. Per pass size (lanes) it keeps the smoothed wall
+    time of its recent passes (an exponential average, so it follows the history growing under a
+    long prompt). Between two sizes it has timed it predicts the line through them (a fixed cost
+    and a per-row cost of its own: a pass's cost need not be one line from 16 to 2048 rows, and
+    the sizes near the budget are the ones timed most); below the smallest, the line of the
+    smallest two; past the largest, a row costs at least that size's average row, so a size
+    never timed is not chosen on a guess that it is cheap. The times are taken non-decreasing
+    in size, so the prediction is. Before it has timed two sizes, the prior scaled through the
+    one it has. The first pass of each size is not counted: it pays what later ones do not (a
+    graph capture, a compile)."""
 
     def __init__(self, prior: PassCost = FLASH_H200, smoothing: float = 0.25, sizes: int = 8):
         if not 0 < smoothing <= 1 or sizes < 2:
             raise ValueError(f"smoothing must be in (0, 1] and sizes >= 2, got {smoothing}, {sizes}")
         self.prior, self.smoothing, self.sizes = prior, smoothing, sizes
-        self.fit = prior
         self._ran: set[int] = set()
         self._ms: dict[int, float] = {}  # lanes -> smoothed ms, least recently run first
+        self._knots: list[tuple[int, float]] = []  # (lanes, ms) by lanes, ms non-decreasing
+        self._scaled = prior
+
+    @property
+    def knots(self) -> list[tuple[int, float]]:
+        """The sizes timed and their smoothed times, as the prediction uses them."""
+        return list(self._knots)
 
     def ms(self, lanes: int) -> float:
-        return self.fit.ms(lanes)
+        k = self._knots
+        if len(k) < 2:
+            return self._scaled.ms(lanes)
+        i = next((j for j in range(1, len(k)) if lanes <= k[j][0]), None)
+        if i is None:
+            (x0, y0), (x1, y1) = k[-2], k[-1]
+            return y1 + max((y1 - y0) / (x1 - x0), y1 / x1) * (lanes - x1)
+        (x0, y0), (x1, y1) = k[i - 1], k[i]
+        return max(0.0, y0 + (y1 - y0) * (lanes - x0) / (x1 - x0))
 
     def observe(self, lanes: int, ms: float) -> None:
         if lanes not in self._ran:
@@ -70,15 +89,11 @@ class MeasuredPassCost:
         self._ms[lanes] = ms if old is None else old + self.smoothing * (ms - old)
         if len(self._ms) > self.sizes:
             del self._ms[next(iter(self._ms))]
-        self.fit = self._line()
-
-    def _line(self) -> PassCost:
-        xs, ys = list(self._ms), list(self._ms.values())
-        if len(xs) >= 2:
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            if slope > 0:
-                return PassCost(max(0.0, my - slope * mx), slope)
-        # one size known (or times that fall with size: noise): the prior through their mean
-        scale = sum(ys) / sum(self.prior.ms(x) for x in xs)
-        return PassCost(self.prior.fixed_ms * scale, self.prior.row_ms * scale)
+        knots, most = [], 0.0
+        for x in sorted(self._ms):
+            most = max(most, self._ms[x])
+            knots.append((x, most))
+        self._knots = knots
+        if len(knots) == 1:
+            scale = most / self.prior.ms(knots[0][0])
+            self._scaled = PassCost(self.prior.fixed_ms * scale, self.prior.row_ms * scale)

@@ -107,7 +107,7 @@ class Scheduler:
         self._running: dict[int, int] = {}  # req_id -> slot
         self._resume: dict[int, Seq] = {}   # req_id -> preempted sequence waiting to come back
         self._preemptions = 0
-        self._served: dict[int, int] = {}  # prompting req_id -> the pass it last got rows (or was admitted)
+        self._served: dict[int, int] = {}  # prompting req_id -> the last pass it got rows (or before it came)
         self._tokens_generated = 0
         self._steps = 0
 
@@ -193,7 +193,7 @@ class Scheduler:
             self._resume.pop(r.req_id, None)
             if a.status == "admitted":
                 self._running[r.req_id] = a.slot
-                self._served[r.req_id] = self._steps
+                self._served[r.req_id] = self._steps - 1  # waiting since before this pass
             else:  # fixed sizes checked at submit, so only a changed engine gets here
                 events.append(FinishEvent(r.req_id, "error", len(r.prompt_ids), 0, a.reason))
         return events

@@ -55,13 +55,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                         pool_tokens=engine.pool.n_pages * engine.pool.page_tokens, api_key=api_key or None,
                         allowed_origins=tuple(allowed_origins))
     describe = getattr(engine.backend, "describe", None)
+    beside = f"sized to a {max_itl_ms:g} ms inter-token budget" if max_itl_ms else "no inter-token budget"
     state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
-                    f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, "
-                    f"{f'sized to a {max_itl_ms:g} ms inter-token budget' if max_itl_ms else 'no inter-token budget'}), "
-                    f"{engine.pool.n_pages} KV pages of "
-                    f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
+                    f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, {beside}), "
+                    f"{engine.pool.n_pages} KV pages of {engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
                     f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
