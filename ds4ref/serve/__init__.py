@@ -60,7 +60,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
                     f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, {beside}), "
-                    f"{engine.pool.n_pages} KV pages of {engine.pool.page_tokens} tokens, context {context} tokens, max queue "
+                    f"{engine.pool.n_pages} KV pages of {engine.pool.page_tokens} tokens, context {context} tokens, "
+                    f"max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
                     f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
