@@ -14,10 +14,11 @@ One call to step() is one gathered pass:
   3. plan rows (chunked prefill): one row for every decoding slot that can get
      its next page, oldest first, then the prompts' share of the pass dealt to
      prompts, the one that has waited longest for rows first (since its last
-     chunk, or its admission), at most `prompt_quantum` rows each. The share is the rest of `max_batched_rows`
-     when no decoder runs in the pass; beside decoders, with `max_itl_ms`, the
-     most rows whose pass the cost model (pass_cost.py) predicts within that
-     inter-token budget, and never fewer than `min_prompt_rows`;
+     chunk, or its admission), at most `prompt_quantum` rows each. The share
+     is the rest of `max_batched_rows` when no decoder runs in the pass; beside
+     decoders, with `max_itl_ms`, the most rows whose pass the cost model
+     (pass_cost.py) predicts within that inter-token budget, and never fewer
+     than `min_prompt_rows`;
   4. run the pass, check every planned slot got exactly one outcome;
   5. turn tokens into events and finish sequences on EOS / stop ids / length,
      and with an error those whose rows computed a NaN or an infinity (the
