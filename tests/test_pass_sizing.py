@@ -296,6 +296,21 @@ def test_the_hip_plan_follows_the_largest_pass(tiny_model_path):
     assert plans[256].workspace < plans[1024].workspace < plans[None].workspace
 
 
+def test_the_default_hip_pass_is_the_largest_the_device_holds(tiny_model_path):
+    """The server's default pass halves from LONG_PASS_ROWS until the plan's state and workspace
+    fit 95% of the free device memory, as HipBackend.configure checks them; PREFILL_ROWS (the
+    pass it used to start with) when none does."""
+    from ds4ref import serve
+    _, plan = serve.plan_start(str(tiny_model_path), "hip", "official", 16, None, None)
+    need = {rows: (lambda p: p.paged + p.slots + p.workspace + p.draft)(serve.hip_plan(plan, rows, "official", True))
+            for rows in (2048, 1024, 512, 256)}
+    assert need[2048] > need[1024] > need[512] > need[256]
+    for rows in (2048, 1024, 512):
+        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) + 1, "official", True) == rows
+        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) - 1, "official", True) == rows // 2
+    assert serve.fitting_pass_rows(plan, 0, "official", True) == 256
+
+
 def test_a_budget_and_cost_are_checked():
     with pytest.raises(ValueError, match="max_itl_ms"):
         Engine(toy(), 1, max_itl_ms=0.0)

@@ -42,8 +42,13 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
                          f"none; give its MTP file with --mtp FILE")
     rows = pass_rows(backend, model.config, max_batched_rows)
-    engine = SeqEngine(model.make_backend(backend, max(rows, DECODE_LANES)), model.config,
-                       max_concurrency=max_concurrency,
+    device = model.make_backend(backend, max(rows, DECODE_LANES))
+    if backend == "hip" and max_batched_rows is None:  # the default pass: as large as the device holds
+        fits = fitting_pass_rows(plan, device.rt.mem_info()[0], numerics, model.mtp is not None)
+        if fits != rows:
+            rows, plan = fits, hip_plan(plan, fits, numerics, model.mtp is not None)
+            device = model.make_backend(backend, rows)
+    engine = SeqEngine(device, model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
                        speculative_tokens=speculative_tokens)
     scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum, max_batched_rows=rows,
@@ -121,17 +126,41 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
                      mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
-    rows = max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES)
-    if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
-        from dataclasses import replace
-        from ..gguf.mtp import mtp_config
-        from ..hip.mtp import device_bytes
-        from ..hip.workspace import with_pass_workspace
-        plan = with_pass_workspace(plan, rows, numerics)
-        if has_mtp:
-            plan = replace(plan, draft=device_bytes(mtp_config(model_file.config), plan.lanes, plan.n_pages,
-                                                    plan.page_tokens, rows, storage == "compact"))
+    if backend == "hip":
+        plan = hip_plan(plan, max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES),
+                        numerics, has_mtp)
     return model_file, plan
+
+
+def hip_plan(plan, rows: int, numerics: str, has_mtp: bool):
+    """The plan with what HipBackend.configure allocates beside the state for a largest pass of
+    `rows` rows: the pass workspace and, with an MTP block, its device state."""
+    from dataclasses import replace
+    from ..gguf.mtp import mtp_config
+    from ..hip.mtp import device_bytes
+    from ..hip.workspace import with_pass_workspace
+    plan = with_pass_workspace(plan, rows, numerics)
+    if has_mtp:
+        plan = replace(plan, draft=device_bytes(mtp_config(plan.config), plan.lanes, plan.n_pages, plan.page_tokens,
+                                                rows, plan.storage == "compact"))
+    return plan
+
+
+def fitting_pass_rows(plan, free: int, numerics: str, has_mtp: bool) -> int:
+    """The largest pass, halving from plan.workspace_rows down to PREFILL_ROWS, whose state and
+    workspace fit `free` device bytes as HipBackend.configure checks them (95%): the server's
+    default must not refuse a start that smaller passes allow. PREFILL_ROWS when none fits
+    (configure then refuses, naming the bytes)."""
+    from ..backend import PREFILL_ROWS
+
+    def fits(rows: int) -> bool:
+        p = hip_plan(plan, rows, numerics, has_mtp)
+        return p.paged + p.slots + p.workspace + p.draft <= 0.95 * free
+
+    rows = plan.workspace_rows
+    while rows > PREFILL_ROWS and not fits(rows):
+        rows //= 2
+    return max(rows, min(PREFILL_ROWS, plan.workspace_rows))
 
 
 def host_memory_bytes() -> int:
