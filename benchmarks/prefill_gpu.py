@@ -7,14 +7,17 @@ The models are decode_gpu.py's (same shapes, random weights made on the device).
 measures, every pass a real one (the prompt builds its own history, nothing synthetic):
 
 1. Prompt throughput and time to first token: one prompt of N tokens fed alone in passes
-   of `--chunk` rows (the 256-lane bucket); TTFT is the wall time of all its passes (host
-   side included: lane upload, the last pass's argmax download), tok/s = N / TTFT.
-2. Inter-token latency under prefill: C-1 sequences decode while one long prompt arrives;
-   the shared Scheduler (chunked prefill: decode rows first, then the prompt budget)
-   runs every pass, and each pass's wall time is the ITL every decoder sees in it.
-   Reported: ITL p50/p99 before the prompt and while it runs, the prompt's TTFT.
+   of `--chunk` rows (default: the server's lone-prompt pass, LONG_PASS_ROWS within what
+   the kernels run for the model: 1024 for Flash); TTFT is the wall time of all its passes
+   (host side included: lane upload, the last pass's argmax download), tok/s = N / TTFT.
+2. Inter-token latency under prefill: 15 sequences decode while one long prompt arrives;
+   the server's Scheduler runs every pass: decode rows first, then the prompt rows whose
+   pass its measured cost model predicts within `--max-itl-ms` (docs/scheduler.md), and
+   each pass's wall time is the ITL every decoder sees in it. Every bucket's graph is
+   captured before the decoders start. Reported per budget: ITL p50/p99 before the prompt
+   and while it runs, the prompt's TTFT and tok/s, its rows a pass, the fitted cost.
 3. The per-kernel profile of one full prompt pass, with its memory floor (weights every
-   pass reads + the distinct experts 256 rows choose + history, over the copy bandwidth)
+   pass reads + the distinct experts the rows choose + history, over the copy bandwidth)
    and its FMA rate (2 x the multiply-adds the rows' matrices need, in TFLOP/s).
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_gpu import copy_bandwidth, history_bytes, make_model, profile, weight_bytes  # noqa: E402
 
 from ds4ref.backend import Row, StepPlan  # noqa: E402
+from ds4ref.hip.launch import largest_pass  # noqa: E402
+from ds4ref.scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS  # noqa: E402
 from ds4ref.reference.state import ATTN, INDEX  # noqa: E402
 
 
@@ -67,20 +72,25 @@ def pass_flops(dw, cfg, rows: int, emitting: int) -> float:
     return 2.0 * (rows * (dense + cfg.n_expert_used * expert) + emitting * head)
 
 
-def itl_under_prefill(backend, cfg, decoders: int, prompt: int, budget: int) -> dict:
-    """Decoders decode, then one prompt of `prompt` tokens arrives; ms per pass before and during."""
+def itl_under_prefill(backend, cfg, decoders: int, prompt: int, max_itl_ms: float) -> dict:
+    """Decoders decode, then one prompt of `prompt` tokens arrives; ms per pass before and during,
+    under the server's Scheduler with an inter-token budget of max_itl_ms."""
     from ds4ref.scheduler.request import Request, TokenEvent
     from ds4ref.scheduler.scheduler import Scheduler
     from ds4ref.scheduler.seq_engine import SeqEngine
     max_new = 2048  # the decoders outlast the prompt's passes at any budget here
     eng = SeqEngine(backend, cfg, max_concurrency=decoders + 1,
                     kv_pool_tokens=decoders * (32 + max_new + 128) + prompt + 512)
-    sch = Scheduler(eng, prompt_quantum=budget, max_batched_rows=budget)
+    sch = Scheduler(eng, max_itl_ms=max_itl_ms)
     rng = np.random.default_rng(5)
+    for L in backend.buckets:  # capture every bucket's graph now (configure dropped them), not mid-run:
+        sch.submit(Request([int(t) for t in rng.integers(0, cfg.vocab_size, L)], 1, req_id=10_000 + L))
+        while sch.has_work():  # a lone prompt of L tokens runs in one pass of L rows
+            sch.step()
     for i in range(decoders):
         sch.submit(Request([int(t) for t in rng.integers(0, cfg.vocab_size, 32)], max_new, ignore_eos=True,
                            req_id=i + 1))
-    before, during, first, warm = [], [], None, 0
+    before, during, chunks, first, warm = [], [], [], None, 0
     while len(before) < 24:  # the decoders' prompts, then plain decode passes (the first few dropped:
         t0 = time.perf_counter()  # the last prompt pass can already yield every decoder's token)
         evs = sch.step()
@@ -93,39 +103,57 @@ def itl_under_prefill(backend, cfg, decoders: int, prompt: int, budget: int) -> 
     t_submit = time.perf_counter()
     sch.submit(big)
     while first is None:
+        fed = {s.request.req_id: s.fed for s in eng.live()}.get(999, 0)
         t0 = time.perf_counter()
         evs = sch.step()
         ms = 1e3 * (time.perf_counter() - t0)
         got = {e.req_id for e in evs if isinstance(e, TokenEvent)}
         if 999 in got:
             first = 1e3 * (time.perf_counter() - t_submit)
+        else:
+            chunks.append({s.request.req_id: s.fed for s in eng.live()}[999] - fed)
         assert len(got - {999}) == decoders, "a decoder missed a pass while the prompt ran"
         during.append(ms)
+    knots = sch.pass_cost.knots
     for r in range(1, decoders + 1):
         sch.cancel(r)
     while sch.has_work():
         sch.step()
-    return dict(before=before, during=during, ttft_ms=first, budget=budget, prompt=prompt, decoders=decoders)
+    return dict(before=before, during=during, ttft_ms=first, max_itl_ms=max_itl_ms, prompt=prompt,
+                decoders=decoders, prompt_rows=chunks, pass_ms=knots)
 
 
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf_prefill_gpu.md")
     ap.add_argument("--full", action="store_true", help="43 layers in the q2 policy")
     ap.add_argument("--prompts", default="4096,16384", help="prompt lengths fed alone (TTFT, tok/s)")
-    ap.add_argument("--chunk", type=int, default=256, help="prompt rows a pass")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help=f"prompt rows a pass, the backend's largest (default: {LONG_PASS_ROWS} within the kernels' "
+                         f"limit for the model, 1024 for Flash)")
     ap.add_argument("--itl-prompt", type=int, default=16384, help="the prompt that arrives beside decoders (0: skip)")
-    ap.add_argument("--budgets", default="256,64", help="max_batched_rows values for the ITL run")
+    ap.add_argument("--max-itl-ms", default=f"{DEFAULT_MAX_ITL_MS:g}",
+                    help="inter-token budgets for the ITL run, comma-separated (the server's --max-itl-ms)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.max_itl_ms = [float(x) for x in args.max_itl_ms.split(",") if x]
+    if not args.max_itl_ms or min(args.max_itl_ms) <= 0:
+        ap.error(f"--max-itl-ms needs budgets > 0 ms, got {args.max_itl_ms}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     from ds4ref.hip.backend import HipBackend
     t0 = time.time()
     rt, cfg, dw, model, what = make_model(args.full)
     bw = copy_bandwidth(rt)
+    if args.chunk is None:
+        args.chunk = min(LONG_PASS_ROWS, largest_pass(model.config))
     backend = HipBackend(model.config, model.weights, model.numerics, model.tables,
                          runtime=rt, device_weights=dw, prefill_rows=args.chunk)
     prompts = [int(x) for x in args.prompts.split(",") if x]
@@ -144,11 +172,13 @@ def main() -> None:
         rec["prompts"].append(dict(tokens=n, passes=len(ms), ttft_ms=total, tok_s=n / (total * 1e-3), pass_ms=ms))
     itl_lines = []
     if args.itl_prompt:
-        for budget in [int(b) for b in args.budgets.split(",")]:
+        for budget in args.max_itl_ms:
             r = itl_under_prefill(backend, cfg, 15, args.itl_prompt, budget)
-            line = (f"| {budget} | {r['decoders']} | {r['prompt']} | {pct(r['before'], 50):.1f} | "
+            line = (f"| {budget:g} | {r['decoders']} | {r['prompt']} | {pct(r['before'], 50):.1f} | "
                     f"{pct(r['before'], 99):.1f} | {pct(r['during'], 50):.1f} | {pct(r['during'], 99):.1f} | "
-                    f"{len(r['during'])} | {r['ttft_ms'] / 1e3:.2f} |")
+                    f"{len(r['during'])} | {np.median(r['prompt_rows']):.0f} | {r['ttft_ms'] / 1e3:.2f} | "
+                    f"{r['prompt'] / (r['ttft_ms'] * 1e-3):.0f} | "
+                    f"{', '.join(f'{lanes}: {ms:.1f}' for lanes, ms in r['pass_ms'])} |")
             print(line, flush=True)
             itl_lines.append(line)
             rec["itl"].append(r)
@@ -179,10 +209,13 @@ def main() -> None:
         "Prompt fed alone:", "",
         "| prompt tokens | passes | TTFT s | prompt tok/s | median pass ms | slowest pass ms |",
         "|---|---|---|---|---|---|", *lines, "",
-        "Decoders' inter-token latency while a long prompt arrives (max_batched_rows = the pass budget):", "",
-        "| max_batched_rows | decoders | prompt | ITL p50 ms before | ITL p99 before | ITL p50 during | "
-        "ITL p99 during | passes during | prompt TTFT s |",
-        "|---|---|---|---|---|---|---|---|---|", *itl_lines, "",
+        "Decoders' inter-token latency while a long prompt arrives (the Scheduler sizes its chunks so each "
+        "pass's predicted time stays within the budget, from the smoothed times of the pass sizes it timed):",
+        "",
+        "| max_itl_ms | decoders | prompt | ITL p50 ms before | ITL p99 before | ITL p50 during | "
+        "ITL p99 during | passes during | prompt rows a pass (median) | prompt TTFT s | prompt tok/s | "
+        "timed pass ms by lanes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|", *itl_lines, "",
         summary, "", f"Per-kernel GPU time of one {P}-row prompt pass:", *prof, ""])
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")

@@ -56,19 +56,23 @@ class DS4Model:
         from .gguf.tokenizer import Tokenizer
         return Tokenizer.from_gguf(self.metadata)
 
-    def make_backend(self, name: str | None = None):
-        """A fresh Backend (protocol in ds4ref.backend) for the engine to drive."""
+    def make_backend(self, name: str | None = None, max_pass_rows: int | None = None):
+        """A fresh Backend (protocol in ds4ref.backend) for the engine to drive; max_pass_rows: its
+        largest pass (None: PREFILL_ROWS)."""
+        from .backend import PREFILL_ROWS
         name = name or self.backend_name
+        rows = PREFILL_ROWS if max_pass_rows is None else max_pass_rows
         if name == "numpy":
             from .reference.numpy_backend import NumpyBackend
-            return NumpyBackend(self.reference, mtp=self.mtp)
+            return NumpyBackend(self.reference, rows, mtp=self.mtp)
         if name == "hip":
             from .hip.backend import HipBackend
             if self._device is not None:  # weights are on the device already: share them
                 return HipBackend(self.config, self.weights, self.numerics, self.tables,
-                                  runtime=self._device.rt, device_weights=self._device.w,
+                                  runtime=self._device.rt, device_weights=self._device.w, prefill_rows=rows,
                                   mtp=self.mtp_weights, mtp_device_weights=self._device.mtp and self._device.mtp.w)
-            return HipBackend(self.config, self.weights, self.numerics, self.tables, mtp=self.mtp_weights)
+            return HipBackend(self.config, self.weights, self.numerics, self.tables, prefill_rows=rows,
+                              mtp=self.mtp_weights)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -29,6 +29,7 @@ class Recording:
         self.inner, self.name, self.max_pass_rows = inner, "recording", inner.max_pass_rows
         self.seqs = None  # the SeqEngine's slot -> sequence map, set once the engine exists
         self.logits: dict[int, list[np.ndarray]] = {}
+        self.sizes: list[int] = []  # rows of every pass
 
     def configure(self, *a, **k):
         self.inner.configure(*a, **k)
@@ -41,14 +42,15 @@ class Recording:
 
     def step(self, plan: StepPlan):
         res = self.inner.step(plan)
+        self.sizes.append(plan.n_rows)
         for r, lg in zip(plan.rows(), res.logits):
             if lg is not None:
                 self.logits.setdefault(self.seqs[r.slot].request.req_id, []).append(np.array(lg))
         return res
 
 
-def engine(model, record=False, **kw) -> Engine:
-    backend = model.make_backend("numpy")
+def engine(model, record=False, max_pass_rows=None, **kw) -> Engine:
+    backend = model.make_backend("numpy", max_pass_rows)
     eng = Engine(model, backend=Recording(backend) if record else backend, **kw)
     if record:
         eng.seq_engine.backend.seqs = eng.seq_engine.seqs

@@ -1,6 +1,12 @@
-"""Chunked prefill is exact: prompts fed in passes of up to PREFILL_ROWS rows, several
-prompts sharing a pass beside decoding sequences and cut at arbitrary offsets, give
-bitwise the logits, the tokens and the stored state of feeding one row per pass.
+"""Chunked prefill is exact: prompts fed in passes of any size up to LONG_PASS_ROWS rows (the
+server's lone-prompt pass), several prompts sharing a pass beside decoding sequences and cut
+at arbitrary offsets, give bitwise the logits, the tokens and the stored state of feeding one
+row per pass.
+
+The pass sizes are drawn: a decode pass's 16 rows, PARALLEL_ROWS (from which the reference runs
+its threaded kernels, the code path of every larger pass), PREFILL_ROWS, LARGE (the tiny model's
+stand-in for 2048: past PREFILL_ROWS, yet shorter than the longest prompt, so prompts run past
+several passes of it) and LONG_PASS_ROWS itself.
 
 The prompts cross ratio-4 and ratio-128 compressor windows (cuts land inside them),
 outgrow the raw window and pass the indexer's top-k threshold, so every piece of state
@@ -15,6 +21,8 @@ from hypothesis import example, given, settings, strategies as st
 
 import ds4ref
 from ds4ref.backend import DECODE_LANES, PAGE_TOKENS, PREFILL_ROWS, Row, StepPlan
+from ds4ref.numerics.canon import PARALLEL_ROWS
+from ds4ref.scheduler.pass_cost import LONG_PASS_ROWS, PassCost
 from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
 from ds4ref.scheduler import Request, Sampling, TokenEvent
@@ -31,12 +39,15 @@ SMALL, BIG = min(set(CFG.compress_ratios) - {0}), max(CFG.compress_ratios)
 # in, ending inside one.
 LENGTHS = sorted({1, WINDOW + 1, SMALL * (TOP_K + 1) + 3, BIG - 1, BIG + 1, 2 * BIG + 5, 3 * BIG + WINDOW})
 STREAMS = 3  # distinct token streams; a sequence is a prefix of one
+LARGE = 2 * BIG + 64
+PASS_ROWS = (DECODE_LANES, PARALLEL_ROWS, PREFILL_ROWS, LARGE, LONG_PASS_ROWS)
 
 
 def test_the_lengths_reach_what_they_claim():
     longest = max(LENGTHS)
     assert longest > WINDOW and longest // SMALL > TOP_K and longest // BIG >= 3
-    assert longest % BIG and longest > PREFILL_ROWS  # ends mid-window; no one pass holds it
+    assert longest % BIG and longest > LARGE > PREFILL_ROWS  # ends mid-window; no one pass holds it
+    assert LONG_PASS_ROWS > 5 * longest  # the lone-prompt pass holds every sequence's whole prompt
 
 
 def same_bits(a, b) -> bool:
@@ -59,8 +70,8 @@ def slot_state(b: NumpyBackend, slot: int) -> dict[str, bytes]:
     return out
 
 
-def fresh_backend(model, n_slots: int, tables: list[list[int]]) -> NumpyBackend:
-    b = NumpyBackend(model.reference)
+def fresh_backend(model, n_slots: int, tables: list[list[int]], max_pass_rows: int = PREFILL_ROWS) -> NumpyBackend:
+    b = NumpyBackend(model.reference, max_pass_rows)
     b.configure(n_slots, sum(len(t) for t in tables))
     for slot, t in enumerate(tables):
         b.reset_slot(slot)
@@ -90,7 +101,7 @@ def one_row_feed(request):
 # One sequence of a chunked feed: which stream, how long, the pass it starts at, the chunk
 # sizes it asks for (cycled), and how many last rows it feeds one a pass, as a decoder does.
 SEQ = st.tuples(st.integers(0, STREAMS - 1), st.sampled_from(LENGTHS), st.integers(0, 3),
-                st.lists(st.one_of(st.integers(1, 40), st.integers(1, PREFILL_ROWS)), min_size=1, max_size=4),
+                st.lists(st.one_of(st.integers(1, 40), st.integers(1, LONG_PASS_ROWS)), min_size=1, max_size=4),
                 st.integers(0, 6))
 
 
@@ -114,19 +125,19 @@ def chunked_passes(seqs, rows_per_pass: int) -> list[list[tuple[int, int, int]]]
     return passes
 
 
-def run_chunked(model, feeds, seqs, emit_all: bool, page_seed: int):
-    """Feed seqs through one backend in chunked passes; (emitted logits by (seq, position),
-    the backend)."""
+def run_chunked(model, feeds, seqs, emit_all: bool, page_seed: int, pass_rows: int = PREFILL_ROWS):
+    """Feed seqs through one backend in chunked passes of up to pass_rows rows; (emitted logits by
+    (seq, position), the backend)."""
     per_seq = [-(-n // PAGE_TOKENS) for _, n, *_ in seqs]
     pages = np.random.default_rng(page_seed).permutation(sum(per_seq)).tolist()
     tables = [pages[sum(per_seq[:i]):sum(per_seq[:i + 1])] for i in range(len(seqs))]
-    b = fresh_backend(model, len(seqs), tables)
+    b = fresh_backend(model, len(seqs), tables, pass_rows)
     got = {}
-    for plan in chunked_passes(seqs, PREFILL_ROWS):
+    for plan in chunked_passes(seqs, pass_rows):
         rows = [Row(i, p, feeds[seqs[i][0]][0][p], emit=emit_all or p == first + take - 1,
                     want_logits=emit_all or p == first + take - 1)
                 for i, first, take in plan for p in range(first, first + take)]
-        res = b.step(StepPlan.from_rows(rows))
+        res = b.step(StepPlan.from_rows(rows, pass_rows))
         for r, lg, am in zip(rows, res.logits, res.argmax):
             if r.emit:
                 got[(r.slot, r.position)] = (lg, int(am))
@@ -134,12 +145,16 @@ def run_chunked(model, feeds, seqs, emit_all: bool, page_seed: int):
 
 
 @example(seqs=[(0, max(LENGTHS), 0, [PREFILL_ROWS], 0), (1, max(LENGTHS), 0, [BIG + 1, 7], 3),
-               (2, WINDOW + 1, 0, [1], 5), (0, BIG + 1, 1, [SMALL + 1], 0)], emit_all=True, page_seed=0)
+               (2, WINDOW + 1, 0, [1], 5), (0, BIG + 1, 1, [SMALL + 1], 0)], emit_all=True, page_seed=0,
+         pass_rows=PREFILL_ROWS)
+@example(seqs=[(0, max(LENGTHS), 0, [LONG_PASS_ROWS], 0), (1, max(LENGTHS), 0, [LARGE], 2),
+               (2, 2 * BIG + 5, 1, [LARGE - 1, 3], 0)], emit_all=False, page_seed=1, pass_rows=LARGE)
 @settings(max_examples=8, deadline=None)
-@given(seqs=st.lists(SEQ, min_size=1, max_size=5), emit_all=st.booleans(), page_seed=st.integers(0, 99))
-def test_chunked_passes_equal_one_row_per_pass(one_row_feed, seqs, emit_all, page_seed):
+@given(seqs=st.lists(SEQ, min_size=1, max_size=5), emit_all=st.booleans(), page_seed=st.integers(0, 99),
+       pass_rows=st.sampled_from(PASS_ROWS))
+def test_chunked_passes_equal_one_row_per_pass(one_row_feed, seqs, emit_all, page_seed, pass_rows):
     model, feeds = one_row_feed
-    got, b = run_chunked(model, feeds, seqs, emit_all, page_seed)
+    got, b = run_chunked(model, feeds, seqs, emit_all, page_seed, pass_rows)
     for (i, p), (lg, am) in got.items():
         want = feeds[seqs[i][0]][1][p]
         assert same_bits(lg, want), f"sequence {i} ({seqs[i]}), position {p}: logits differ"
@@ -152,13 +167,16 @@ def test_chunked_passes_equal_one_row_per_pass(one_row_feed, seqs, emit_all, pag
         assert not differ, f"sequence {i} ({seqs[i]}): stored state differs in {differ}"
 
 
-def test_chunked_passes_share_full_passes_and_cover_every_position():
+@pytest.mark.parametrize("pass_rows", [PREFILL_ROWS, LARGE])
+def test_chunked_passes_share_full_passes_and_cover_every_position(pass_rows):
     """Guards the helper the property rests on, not the backend: its passes do fill up
-    and hold several sequences, and each sequence's chunks tile its positions."""
-    seqs = [(0, max(LENGTHS), 0, [100, PREFILL_ROWS], 0), (1, max(LENGTHS), 0, [100], 2), (2, 9, 0, [1], 9)]
-    passes = chunked_passes(seqs, PREFILL_ROWS)
-    assert max(sum(t for *_, t in plan) for plan in passes) == PREFILL_ROWS
+    and hold several sequences, a prompt runs past several of them, and each sequence's
+    chunks tile its positions."""
+    seqs = [(0, max(LENGTHS), 0, [100, LONG_PASS_ROWS], 0), (1, max(LENGTHS), 0, [100], 2), (2, 9, 0, [1], 9)]
+    passes = chunked_passes(seqs, pass_rows)
+    assert max(sum(t for *_, t in plan) for plan in passes) == pass_rows
     assert any(len(plan) == 3 for plan in passes)
+    assert sum(1 for plan in passes if any(j == 0 for j, *_ in plan)) > 1
     for i, (_, n, *_) in enumerate(seqs):
         starts = [(first, take) for plan in passes for j, first, take in plan if j == i]
         assert [f for f, _ in starts] == np.cumsum([0] + [t for _, t in starts])[:-1].tolist()
@@ -167,18 +185,26 @@ def test_chunked_passes_share_full_passes_and_cover_every_position():
 
 # ---- through the Engine: chunked prefill beside decoders, against one row per pass ----------
 
-def test_engine_chunked_prefill_equals_one_row_per_pass():
+@pytest.mark.parametrize("sizing", [{}, dict(max_pass_rows=LONG_PASS_ROWS, max_itl_ms=66.0,
+                                             pass_cost=PassCost(2.0, 1.0))], ids=["whole-pass", "itl-budget"])
+def test_engine_chunked_prefill_equals_one_row_per_pass(sizing):
     """Decoders run while two long prompts arrive and prefill in chunks; every request's
-    tokens and logits are bitwise those of running it alone, one row per pass."""
+    tokens and logits are bitwise those of running it alone, one row per pass. Chunks take
+    every row the decoders leave, or (itl-budget) the rows of a pass predicted within 66 ms at
+    2 ms + 1 ms a row: 64 rows a pass beside decoders, a large pass when none decodes."""
     model = ds4ref.load()
     v = model.config.vocab_size
     lens = [5, WINDOW + 3, 3 * BIG + WINDOW, 2 * BIG + SMALL + 1, 2]
     reqs = lambda: [Request(prompt(n, 70 + i, v), 6, Sampling(logprobs=0), ignore_eos=True)  # noqa: E731
                     for i, n in enumerate(lens)]
-    chunked = engine(model, record=True, max_concurrency=len(lens), page_order_seed=1)
+    chunked = engine(model, record=True, max_concurrency=len(lens), page_order_seed=1, **sizing)
     rs = reqs()
     toks = chunked.run(rs, arrivals={2: 3, 3: 4})
     assert chunked.scheduler.stats()["steps"] < max(lens)  # so the long prompts went in chunks
+    if sizing:
+        sizes = chunked.seq_engine.backend.sizes
+        alone = sizes.index(max(sizes))  # the decoders are done: the prompts' rest in one large pass
+        assert sizes[0] == 5 + WINDOW + 3 + 2 and max(sizes[1:alone]) == 64 and sizes[alone] > PREFILL_ROWS
     alone = engine(model, record=True, max_concurrency=1, prompt_quantum=1, max_batched_rows=1)
     ra = reqs()
     assert toks == alone.run(ra)

@@ -12,6 +12,7 @@ import pytest
 import ds4ref.serve as serve
 from ds4ref import settings
 from ds4ref.gguf import file as gguf_file
+from ds4ref.scheduler.pass_cost import LONG_PASS_ROWS
 from ds4ref.paging.layout import PageLayout
 from ds4ref.paging.prefix import SNAPSHOTS_PER_SLOT
 from ds4ref.paging.plan import PlanError, check_fits, flash_config, flash_report, make_plan, size, weight_bytes
@@ -229,21 +230,21 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
     pass buffers configure allocates; paged history exactly and per-slot state at most the plan's;
     and configure refuses exactly when the plan's state and workspace exceed 95% of free memory.
     The plan and the backend read one storage rule, DS4REF_COMPACT_KV included."""
-    from ds4ref.backend import PREFILL_ROWS
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.guards import DeviceMemoryError
     from ds4ref.model import from_file
 
     monkeypatch.setenv("DS4REF_COMPACT_KV", compact_kv)
     model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, None, 300)
-    assert plan.workspace > 0 and plan.workspace_rows == PREFILL_ROWS
+    assert plan.workspace > 0 and plan.workspace_rows == LONG_PASS_ROWS  # the server's lone-prompt pass
     assert plan.storage == ("compact" if (numerics, compact_kv) == ("official", "1") else "f32")
     model = from_file(model_file, numerics=numerics)
     assert model.mtp is not None and plan.draft > 0  # the tiny model's MTP block: its state is counted
     rt = HostRuntime()
-    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
+    backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights,
+                         prefill_rows=plan.workspace_rows)
     assert backend.compact == (plan.storage == "compact")
-    assert backend.mtp.bytes_needed(plan.lanes, plan.n_pages, plan.page_tokens, PREFILL_ROWS,
+    assert backend.mtp.bytes_needed(plan.lanes, plan.n_pages, plan.page_tokens, plan.workspace_rows,
                                     backend.compact) == plan.draft
     uploaded = rt.allocated
     with pytest.raises(_Recorded):
@@ -264,7 +265,8 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
         free += 1
     for fits, have in ((True, free), (False, free - 1)):
         rt = HostRuntime(have)
-        backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, mtp=model.mtp_weights)
+        backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt,
+                             mtp=model.mtp_weights, prefill_rows=plan.workspace_rows)
         uploaded = rt.allocated
         with pytest.raises(_Recorded if fits else DeviceMemoryError):
             backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from ds4ref.backend import PREFILL_ROWS
+from ds4ref.scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
 from ds4ref.scheduler.request import FinishEvent, TokenEvent
 from ds4ref.serve.runner import Runner, StreamAborted
 from serve_helpers import LiveServer, free_port
@@ -463,7 +463,8 @@ def _serve(*args):
     (["--max-concurrency", "1", "--kv-pool-tokens", "512"], "--kv-pool-tokens"),
     (["--max-context", "999999999"], "--max-context"),
     (["--dry-run", "--max-batched-rows", "8"], "--max-concurrency"),  # 16 decoders need 16 rows a pass
-    (["--port", "0", "--max-batched-rows", str(PREFILL_ROWS + 1)], f"max_batched_rows must be in 1..{PREFILL_ROWS}"),
+    (["--dry-run", "--backend", "hip", "--max-batched-rows", "40000"], "must be at most 32768"),  # 8 experts' limit
+    (["--dry-run", "--max-itl-ms", "-5"], "--max-itl-ms"),
 ])
 def test_bad_flags_exit_nonzero_with_a_message(args, needle):
     p = _serve(*args)
@@ -505,7 +506,8 @@ def test_sigterm_shuts_down_gracefully():
             os.kill(p.pid, signal.SIGKILL)
     out, err = p.stdout.read(), p.stderr.read()
     assert "ds4-tiny" in out and "16 lanes" in out and "context 4096" in out
-    assert f"passes of up to {PREFILL_ROWS} rows (prompt chunks of up to {PREFILL_ROWS})" in out
+    assert (f"passes of up to {LONG_PASS_ROWS} rows (prompt chunks of up to {LONG_PASS_ROWS}; beside decoders, "
+            f"sized to a {DEFAULT_MAX_ITL_MS:g} ms inter-token budget)") in out
     assert "prefix cache on" in out
     assert "runner stopped" in err
 

@@ -2,11 +2,12 @@
 
 Design (docs/hip_backend.md has the long form):
 * Buckets. A pass runs in the smallest capacity bucket that holds its rows: 16 lanes
-  (decode, the 16-lane gathered pass), 32, 64, 128 (decode rows with their drafts:
-  speculation) or PREFILL_ROWS lanes (a prompt pass, chunked prefill). Each bucket is
-  its own recorded program and captured graph over the same state and workspace; a
-  lane's arithmetic does not depend on the bucket, so a prompt fed 256 rows a pass
-  gives the bits of one row a pass.
+  (decode, the 16-lane gathered pass), the powers of two above it (decode rows with their
+  drafts: speculation; prompt chunks beside decoders, sized by the Scheduler's inter-token
+  budget) and `prefill_rows` lanes (PREFILL_ROWS by default; the server's lone-prompt pass,
+  up to `largest_pass`). Each bucket is its own recorded program and captured graph over
+  the same state and workspace; a lane's arithmetic does not depend on the bucket, so a
+  prompt fed 2048 rows a pass gives the bits of one row a pass.
 * Lanes. A pass is always a bucket's lanes; padding lanes carry slot -1. The host writes
   per-lane ints (slot, position, token, where the slot's rows start and end in the
   pass, visible compressed rows per ratio) into one fixed device buffer before
@@ -45,6 +46,7 @@ from ..settings import getenv, getenv_int
 from ..gguf.config import ATTN, CSA, INDEX, DS4Config, row_kinds
 from . import launch as K
 from . import buffers
+from .launch import largest_pass
 from .layouts import QUANT_WTYPES
 from .device_state import LANE_FIELDS, DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
@@ -109,8 +111,9 @@ class HipBackend:
         self.cfg = config
         self.numerics = numerics
         self.tables = tables
-        if prefill_rows < DECODE_LANES:
-            raise ValueError(f"prefill_rows must be >= {DECODE_LANES}, got {prefill_rows}")
+        if not DECODE_LANES <= prefill_rows <= largest_pass(config):
+            raise ValueError(f"prefill_rows must be in {DECODE_LANES}..{largest_pass(config)} (the most rows a "
+                             f"pass of {config.n_expert} experts holds on these kernels), got {prefill_rows}")
         self.buckets = capacity_buckets(prefill_rows)
         self.max_pass_rows = self.buckets[-1]
         if runtime is None:

@@ -272,6 +272,12 @@ def launch_expert_list(rt, ids, slots, L: int, kk: int, n_expert: int, elist) ->
               (ids, slots, I32(L), I32(kk), I32(n_expert), elist))
 
 
+def largest_pass(cfg) -> int:
+    """The most rows one pass of this model can hold: step_expert_list marks each (expert, lane)
+    choice in a shared-memory bit set of EL_BITS words of 32 lanes (256 experts: 1024 rows)."""
+    return 32 * (EL_BITS // cfg.n_expert) if cfg.n_expert <= EL_EXPERTS else 0
+
+
 def expert_list_ints(n_expert: int, kk: int, L: int = DECODE_LANES) -> int:
     """int32s of step_expert_list's output for a pass of L lanes: the count, then the entries.
     An expert with c pairs takes ceil(c / 16) entries, so the chosen experts (at most

@@ -25,11 +25,13 @@ class Engine:
                  prompt_quantum: Optional[int] = None, backend=None, *, max_context: Optional[int] = None,
                  max_queue: Optional[int] = None, page_order_seed: Optional[int] = None,
                  max_batched_rows: Optional[int] = None, prefix_cache: bool = True, speculative_tokens: int = 0,
-                 drafter=None, spec_min_rate: Optional[float] = None):
+                 drafter=None, spec_min_rate: Optional[float] = None, max_itl_ms: Optional[float] = None,
+                 pass_cost=None):
         """model: what ds4ref.load() returns (.config, .make_backend(name)).
         backend: None for the model's own backend (numpy unless loaded for hip), a name
         for model.make_backend, or a Backend instance. prompt_quantum, max_batched_rows:
-        the Scheduler's (None: the backend's whole pass). speculative_tokens, drafter,
+        the Scheduler's (None: the backend's whole pass); max_itl_ms, pass_cost: the Scheduler's
+        inter-token budget and pass cost model (None: no budget). speculative_tokens, drafter,
         spec_min_rate: speculative decoding's (SeqEngine; 0 drafts: off)."""
         if backend is None or isinstance(backend, str):
             backend = model.make_backend(backend)
@@ -40,7 +42,7 @@ class Engine:
                                     drafter=drafter,
                                     **({} if spec_min_rate is None else {"spec_min_rate": spec_min_rate}))
         self.scheduler = Scheduler(self.seq_engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
-                                   max_batched_rows=max_batched_rows)
+                                   max_batched_rows=max_batched_rows, max_itl_ms=max_itl_ms, pass_cost=pass_cost)
         self.events: list[Event] = []                 # everything the last run() saw
         self.finishes: list[Optional[FinishEvent]] = []  # per request of the last run()
 

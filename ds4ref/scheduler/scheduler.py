@@ -12,9 +12,13 @@ One call to step() is one gathered pass:
      only at max_tokens, a stop, EOS or the context limit, never because the
      pool ran dry; one that could not fit even alone is refused at submit;
   3. plan rows (chunked prefill): one row for every decoding slot that can get
-     its next page, oldest first, then the rest of the pass's `max_batched_rows`
-     dealt to prompts, oldest first from a start that rotates every pass, at
-     most `prompt_quantum` rows each;
+     its next page, oldest first, then the prompts' share of the pass dealt to
+     prompts, the one that has waited longest for rows first (since its last
+     chunk, or its admission), at most `prompt_quantum` rows each. The share
+     is the rest of `max_batched_rows` when no decoder runs in the pass; beside
+     decoders, with `max_itl_ms`, the most rows whose pass the cost model
+     (pass_cost.py) predicts within that inter-token budget, and never fewer
+     than `min_prompt_rows`;
   4. run the pass, check every planned slot got exactly one outcome;
   5. turn tokens into events and finish sequences on EOS / stop ids / length,
      and with an error those whose rows computed a NaN or an infinity (the
@@ -22,7 +26,8 @@ One call to step() is one gathered pass:
 
 Decode rows go first and max_batched_rows >= max_concurrency, so a prompt never
 takes a decoder's row: a long prompt only bounds how long a pass takes, which
-max_batched_rows (vLLM's max_num_batched_tokens) caps. prompt_quantum defaults
+max_itl_ms bounds while decoders wait for their next token and max_batched_rows
+(vLLM's max_num_batched_tokens) caps. prompt_quantum defaults
 to the pass size, so a lone prompt takes every row its pass has left;
 prompt_quantum=1 is upstream's exact mode (one prompt token per prompt per
 pass). All give the same tokens: the backend makes several rows of one slot in
@@ -36,10 +41,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from ..console import plural
+from .pass_cost import MIN_PROMPT_ROWS, MeasuredPassCost, PassCost
 from .request import Event, FinishEvent, Refused, Request, TokenEvent
 from .seq_engine import Outcome, Seq, SeqEngine, StepError, Work
 
@@ -62,12 +69,18 @@ class CohortFailed(RuntimeError):
 
 class Scheduler:
     def __init__(self, engine: SeqEngine, max_queue: Optional[int] = None, prompt_quantum: Optional[int] = None,
-                 max_batched_rows: Optional[int] = None):
+                 max_batched_rows: Optional[int] = None, max_itl_ms: Optional[float] = None,
+                 pass_cost: Optional[PassCost | MeasuredPassCost] = None, min_prompt_rows: int = MIN_PROMPT_ROWS,
+                 clock: Callable[[], float] = time.perf_counter):
         """max_queue: requests that may wait beyond those the free slots will take at the
         next pass (None = unbounded). max_batched_rows: most rows of one pass, decode rows
-        included (None = the backend's max_pass_rows); it bounds a pass's time, hence decoders'
-        inter-token latency while a long prompt runs. prompt_quantum: most prompt rows one
-        sequence gets per pass (None = max_batched_rows; 1 = upstream's exact mode)."""
+        included (None = the backend's max_pass_rows): a lone prompt's pass. prompt_quantum:
+        most prompt rows one sequence gets per pass (None = max_batched_rows; 1 = upstream's
+        exact mode). max_itl_ms: the inter-token budget of a pass that carries decode rows
+        (None = none: prompts take every row the decoders leave); pass_cost: the model that
+        predicts a pass's time (None = MeasuredPassCost(), learning from the passes timed by
+        `clock`, in seconds); min_prompt_rows: prompt rows such a pass holds even when its
+        decode rows alone exceed the budget."""
         self.max_batched_rows = batched_rows(engine, max_batched_rows)
         if prompt_quantum is None:
             prompt_quantum = self.max_batched_rows
@@ -75,9 +88,19 @@ class Scheduler:
             raise ValueError(f"prompt_quantum must be >= 1, got {prompt_quantum}")
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue must be >= 0 or None, got {max_queue}")
+        if max_itl_ms is not None and not max_itl_ms > 0:
+            raise ValueError(f"max_itl_ms must be > 0 or None, got {max_itl_ms}")
+        if min_prompt_rows < 1:
+            raise ValueError(f"min_prompt_rows must be >= 1, got {min_prompt_rows}")
         self.engine = engine
         self.max_queue = max_queue
         self.prompt_quantum = prompt_quantum
+        self.max_itl_ms = max_itl_ms
+        self.pass_cost = pass_cost if pass_cost is not None or max_itl_ms is None else MeasuredPassCost()
+        self.min_prompt_rows = min_prompt_rows
+        self.clock = clock
+        # the rows the backend runs for a pass of n rows (HipBackend pads to a capacity bucket)
+        self.lanes: Callable[[int], int] = getattr(engine.backend, "bucket", None) or (lambda n: n)
         self._lock = threading.Lock()       # guards _waiting, _cancel, _running
         self._step_lock = threading.Lock()  # one pass at a time
         self._waiting: deque[Request] = deque()
@@ -85,7 +108,7 @@ class Scheduler:
         self._running: dict[int, int] = {}  # req_id -> slot
         self._resume: dict[int, Seq] = {}   # req_id -> preempted sequence waiting to come back
         self._preemptions = 0
-        self._rotation = 0
+        self._served: dict[int, int] = {}  # prompting req_id -> the last pass it got rows (or before it came)
         self._tokens_generated = 0
         self._steps = 0
 
@@ -136,7 +159,10 @@ class Scheduler:
             if not work:
                 return events + self._break_stall()
             try:
+                t0 = self.clock()
                 outcomes = self.engine.step(work)
+                if self.pass_cost is not None:
+                    self.pass_cost.observe(self.lanes(sum(w.rows for w in work)), 1e3 * (self.clock() - t0))
                 self._check(work, outcomes)
             except Exception as e:
                 events += self._fail(work, e)
@@ -168,6 +194,7 @@ class Scheduler:
             self._resume.pop(r.req_id, None)
             if a.status == "admitted":
                 self._running[r.req_id] = a.slot
+                self._served[r.req_id] = self._steps - 1  # waiting since before this pass
             else:  # fixed sizes checked at submit, so only a changed engine gets here
                 events.append(FinishEvent(r.req_id, "error", len(r.prompt_ids), 0, a.reason))
         return events
@@ -192,6 +219,7 @@ class Scheduler:
     def _preempt(self, s: Seq) -> None:
         seq = self.engine.preempt(s.slot)
         self._running.pop(s.request.req_id, None)
+        self._served.pop(s.request.req_id, None)
         self._resume[s.request.req_id] = seq
         self._waiting.appendleft(s.request)  # later preemptions are older: they end up first
         self._preemptions += 1
@@ -203,7 +231,26 @@ class Scheduler:
         work, budget = self._plan_decoders(live)
         rows_left = self.max_batched_rows - sum(w.rows for w in work)
         work, budget, rows_left = self._plan_drafts(live, work, budget, rows_left)
-        return work + self._plan_prompts(live, budget, rows_left)
+        return work + self._plan_prompts(live, budget, self.prompt_share(sum(w.rows for w in work), rows_left))
+
+    def prompt_share(self, decode_rows: int, rows_left: int) -> int:
+        """Prompt rows a pass may hold beside decode_rows decode rows, of the rows_left it has:
+        all of them when no decoder waits on the pass (a lone prompt's large pass); beside
+        decoders with a budget, the most whose pass the cost model predicts within max_itl_ms,
+        but at least min_prompt_rows, so prompts advance whatever the decoders cost."""
+        if self.max_itl_ms is None or not decode_rows:
+            return rows_left
+
+        def fits(n: int) -> bool:  # monotone in n: the cost grows with the lanes, the lanes with n
+            return self.pass_cost.ms(self.lanes(decode_rows + n)) <= self.max_itl_ms
+
+        if fits(rows_left):
+            return rows_left
+        lo, hi = 0, rows_left  # fits(hi) is false; the answer is lo once hi = lo + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return min(rows_left, max(lo, self.min_prompt_rows))
 
     def _plan_decoders(self, live: list[Seq]) -> tuple[list[Work], int]:
         """Each decoder that can get its next page runs its known rows (one, or more after a
@@ -234,18 +281,18 @@ class Scheduler:
         return out, budget, rows_left
 
     def _plan_prompts(self, live: list[Seq], budget: int, rows_left: int) -> list[Work]:
-        """The pass's remaining rows dealt to prompts as chunks, from a rotating start."""
-        prompts, work = [s for s in live if s.prompting], []
-        if not prompts:
-            return work
-        start = self._rotation % len(prompts)
-        self._rotation += 1
-        for s in prompts[start:] + prompts[:start]:
+        """The prompts' share of the pass (rows_left) dealt to prompts as chunks, least recently
+        served first: the first always gets rows and goes to the back, and nobody overtakes a prompt
+        that waits, so none waits more passes than there are prompts ahead of it."""
+        prompts = sorted((s for s in live if s.prompting), key=lambda s: (self._served[s.request.req_id], s.order))
+        work = []
+        for s in prompts:
             n = min(self.prompt_quantum, s.prompt_left, rows_left, self.engine.rows_to_snapshot(s.slot))
             while n and self.engine.free_page_cost(s.slot, n) > budget:
                 n -= 1  # prompts hold reservations, so this only guards the invariant
             if n:
                 work.append(Work(s.slot, n))
+                self._served[s.request.req_id] = self._steps
                 budget, rows_left = budget - self.engine.free_page_cost(s.slot, n), rows_left - n
         return work
 
@@ -283,6 +330,7 @@ class Scheduler:
     def _finish(self, s: Seq, reason: str, message: str = "", error_code: str = "") -> FinishEvent:
         self.engine.retire(s.slot, cache_tail=reason != "error")
         self._running.pop(s.request.req_id, None)
+        self._served.pop(s.request.req_id, None)
         spec = s.spec
         return FinishEvent(s.request.req_id, reason, s.prompt_len, len(s.generated), message, s.cached_tokens,
                            spec.proposed if spec else 0, spec.accepted if spec else 0, error_code)
@@ -312,6 +360,7 @@ class Scheduler:
                 except Exception:
                     log.exception("slot %d: reset after a failed pass also failed", s.slot)
                 self._running.pop(s.request.req_id, None)
+                self._served.pop(s.request.req_id, None)
                 events.append(FinishEvent(s.request.req_id, "error", s.prompt_len, len(s.generated), msg,
                                           s.cached_tokens))
         return events

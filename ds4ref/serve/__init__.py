@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from ..backend import DECODE_LANES
+from ..scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -18,11 +19,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None,
-                speculative_tokens: int = 0):
+                speculative_tokens: int = 0, max_itl_ms: Optional[float] = DEFAULT_MAX_ITL_MS):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
-    max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
-    prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model (ds4ref.load's `mtp`);
-    speculative_tokens: drafts per round (0: off), from the model's MTP block."""
+    max_itl_ms are the Scheduler's (None: chunked prefill over the whole pass, no inter-token
+    budget); max_batched_rows sizes the backend's largest pass and the Scheduler's (None:
+    pass_rows' default); prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model
+    (ds4ref.load's `mtp`); speculative_tokens: drafts per round (0: off), from its MTP block."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -39,11 +41,18 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     if speculative_tokens and model.mtp is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
                          f"none; give its MTP file with --mtp FILE")
-    engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
+    rows = pass_rows(backend, model.config, max_batched_rows)
+    device = model.make_backend(backend, max(rows, DECODE_LANES))
+    if backend == "hip" and max_batched_rows is None:  # the default pass: as large as the device holds
+        fits = fitting_pass_rows(plan, device.rt.mem_info()[0], numerics, model.mtp is not None)
+        if fits != rows:
+            rows, plan = fits, hip_plan(plan, fits, numerics, model.mtp is not None)
+            device = model.make_backend(backend, rows)
+    engine = SeqEngine(device, model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
                        speculative_tokens=speculative_tokens)
-    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum,
-                          max_batched_rows=max_batched_rows)
+    scheduler = Scheduler(engine, max_queue=max_queue, prompt_quantum=prompt_quantum, max_batched_rows=rows,
+                          max_itl_ms=max_itl_ms)
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
@@ -51,11 +60,13 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                         pool_tokens=engine.pool.n_pages * engine.pool.page_tokens, api_key=api_key or None,
                         allowed_origins=tuple(allowed_origins))
     describe = getattr(engine.backend, "describe", None)
+    beside = f"sized to a {max_itl_ms:g} ms inter-token budget" if max_itl_ms else "no inter-token budget"
     state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
-                    f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
-                    f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
+                    f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, {beside}), "
+                    f"{engine.pool.n_pages} KV pages of {engine.pool.page_tokens} tokens, context {context} tokens, "
+                    f"max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
                     f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
@@ -63,14 +74,27 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     return state
 
 
+def pass_rows(backend: str, config, max_batched_rows: Optional[int]) -> int:
+    """The most rows of one pass when serving: --max-batched-rows, else LONG_PASS_ROWS (a lone
+    prompt's pass) within the most the hip kernels run for this model (hip.launch.largest_pass)."""
+    if backend != "hip":
+        return LONG_PASS_ROWS if max_batched_rows is None else max_batched_rows
+    from ..hip.launch import largest_pass
+    most = largest_pass(config)
+    if max_batched_rows is None:
+        return min(LONG_PASS_ROWS, most)
+    if max_batched_rows > most:
+        raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at most {most}: the hip kernels run "
+                         f"passes of up to {most} rows of a model of {config.n_expert} experts")
+    return max_batched_rows
+
+
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
                kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
                prefix_cache: bool = True, mtp: Optional[str] = None):
     """The opened model file (header only) and the memory plan of serving it with these
-    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
-    (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
+    flags; refuses bad flag combinations. Reads no tensor data and allocates nothing."""
     from ..gguf.file import open_gguf
-    from ..backend import PREFILL_ROWS
     from ..paging.layout import kv_storage
     from ..paging.plan import make_plan, weight_bytes
     from ..gguf.tiny import default_model_path, packaged_mtp
@@ -102,16 +126,41 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
                      mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
-    if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
-        from dataclasses import replace
-        from ..gguf.mtp import mtp_config
-        from ..hip.mtp import device_bytes
-        from ..hip.workspace import with_pass_workspace
-        plan = with_pass_workspace(plan, PREFILL_ROWS, numerics)
-        if has_mtp:
-            plan = replace(plan, draft=device_bytes(mtp_config(model_file.config), plan.lanes, plan.n_pages,
-                                                    plan.page_tokens, PREFILL_ROWS, storage == "compact"))
+    if backend == "hip":
+        plan = hip_plan(plan, max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES),
+                        numerics, has_mtp)
     return model_file, plan
+
+
+def hip_plan(plan, rows: int, numerics: str, has_mtp: bool):
+    """The plan with what HipBackend.configure allocates beside the state for a largest pass of
+    `rows` rows: the pass workspace and, with an MTP block, its device state."""
+    from dataclasses import replace
+    from ..gguf.mtp import mtp_config
+    from ..hip.mtp import device_bytes
+    from ..hip.workspace import with_pass_workspace
+    plan = with_pass_workspace(plan, rows, numerics)
+    if has_mtp:
+        plan = replace(plan, draft=device_bytes(mtp_config(plan.config), plan.lanes, plan.n_pages, plan.page_tokens,
+                                                rows, plan.storage == "compact"))
+    return plan
+
+
+def fitting_pass_rows(plan, free: int, numerics: str, has_mtp: bool) -> int:
+    """The largest pass, halving from plan.workspace_rows down to PREFILL_ROWS, whose state and
+    workspace fit `free` device bytes as HipBackend.configure checks them (95%): the server's
+    default must not refuse a start that smaller passes allow. PREFILL_ROWS when none fits
+    (configure then refuses, naming the bytes)."""
+    from ..backend import PREFILL_ROWS
+
+    def fits(rows: int) -> bool:
+        p = hip_plan(plan, rows, numerics, has_mtp)
+        return p.paged + p.slots + p.workspace + p.draft <= 0.95 * free
+
+    rows = plan.workspace_rows
+    while rows > PREFILL_ROWS and not fits(rows):
+        rows //= 2
+    return max(rows, min(PREFILL_ROWS, plan.workspace_rows))
 
 
 def host_memory_bytes() -> int:

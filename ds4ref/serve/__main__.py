@@ -10,7 +10,7 @@ import sys
 from ..console import HelpFormatter
 from ..settings import getenv
 
-from ..backend import PREFILL_ROWS
+from ..scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
 from . import DECODE_LANES
 from .connections import HEADER_TIMEOUT_S
 
@@ -46,6 +46,16 @@ def non_negative_float(text: str) -> float:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return x
+
+
+def milliseconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
     if not x >= 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return x
@@ -99,9 +109,15 @@ def parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for a lane; more get 503 (default: unbounded)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: general.name)")
     p.add_argument("--max-batched-rows", type=positive, default=None,
-                   help="most rows of one pass, decode rows included (vLLM's max_num_batched_tokens): bounds "
-                        "how long a pass takes, so decoders' inter-token latency while a long prompt prefills; "
-                        f"at least --max-concurrency (default: the backend's largest pass, {PREFILL_ROWS} for numpy)")
+                   help="most rows of one pass, decode rows included (vLLM's max_num_batched_tokens): the pass a "
+                        "long prompt runs in while no request decodes, and the backend's largest pass (the hip "
+                        "backend's workspace scales with it); at least --max-concurrency (default: "
+                        f"{LONG_PASS_ROWS}, for hip at most what its kernels run: 1024 rows for Flash's 256 experts)")
+    p.add_argument("--max-itl-ms", type=milliseconds, default=DEFAULT_MAX_ITL_MS,
+                   help="inter-token budget: a pass with decoding requests gets the prompt rows whose pass the "
+                        "engine's measured cost model predicts within this many ms (at least 16 rows, so prompts "
+                        "always advance); 0 = no budget, prompts take every row the decoders leave. Tokens are "
+                        "identical either way")
     p.add_argument("--prompt-quantum", type=positive, default=None,
                    help="prompt rows a prefilling request may take per pass (default: the whole pass, chunked "
                         "prefill; 1 = upstream's exact mode). Tokens are identical either way")
@@ -156,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_pending_events, args.stall_timeout, args.prompt_quantum, args.numerics,
                             api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
                             max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache,
-                            mtp=args.mtp, speculative_tokens=args.speculative_tokens)
+                            mtp=args.mtp, speculative_tokens=args.speculative_tokens,
+                            max_itl_ms=args.max_itl_ms or None)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2

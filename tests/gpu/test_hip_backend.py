@@ -5,15 +5,19 @@ comparison here is bitwise, in both numerics:
 (a) per-position logits equal the reference's, over a prompt past several ratio-128
     boundaries and the indexer's selection threshold, fed in ragged passes;
 (b) tokens and logprobs equal NumpyBackend's under the shared Engine for random request
-    mixes (long ragged prompts, arrivals, cancellations, prompt quanta 1 and 16, greedy,
-    seeded sampling, penalties), plus a sampled request that forks without the canonical arithmetic;
+    mixes (long ragged prompts, arrivals, cancellations, prompt quanta 1, 16, 256 and the whole
+    pass, in passes of up to LONG_PASS_ROWS rows: the server's, every bucket up to 2048 lanes;
+    greedy, seeded sampling, penalties), plus a sampled request that forks without the
+    canonical arithmetic;
 (c) batch invariance: a lane's logits are bitwise identical alone and among 15 others,
     in another slot and on other pages;
 (d) one graph capture serves passes across many ratio-4 boundaries while lanes come and go;
 (e) the golden greedy continuations through the Engine with the HIP backend;
-(f) prompt passes of up to 256 rows (the second capacity bucket, chunked prefill): every
-    row's logits and the stored state are bitwise those of one row a pass, whichever
-    other slots' rows share the pass.
+(f) prompt passes of up to LONG_PASS_ROWS = 2048 rows (every capacity bucket, chunked
+    prefill): every row's logits and the stored state are bitwise those of one row a pass,
+    whichever other slots' rows share the pass. The tiny model's 8 experts let a pass hold
+    2048 rows (Flash's 256: 1024, hip.launch.largest_pass); the kernels a 2048-lane pass runs
+    are the ones every pass past 16 lanes runs, over more lane groups.
 Skipped with the reason when no GPU runtime opens (tests/gpu/conftest.py).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import ds4ref
 from ds4ref.backend import Row, StepPlan
 from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
+from ds4ref.scheduler.pass_cost import LONG_PASS_ROWS
 from ds4ref.scheduler.request import Request, Sampling, TokenEvent
 
 pytestmark = pytest.mark.gpu
@@ -51,9 +56,11 @@ def model(request):
     return ds4ref.load(numerics=request.param)
 
 
-def hip(model, rt):
+def hip(model, rt, prefill_rows=None):
+    from ds4ref.backend import PREFILL_ROWS
     from ds4ref.hip.backend import HipBackend
-    return HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt)
+    return HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt,
+                      prefill_rows=prefill_rows or PREFILL_ROWS)
 
 
 def assert_rows_bitwise(got, want, what: str) -> None:
@@ -141,7 +148,8 @@ def test_stored_rows_are_numpys_bytes(model, rt):
 def prompt_lengths():
     """Mostly short prompts, often long ones: up to 1100 tokens crosses eight ratio-128
     windows, and past 4 * (top_k + 1) tokens the indexer chooses among compressed rows.
-    With quantum 256 a long prompt runs in prompt passes of up to 256 rows."""
+    With quantum 256 a long prompt runs in prompt passes of up to 256 rows; with the whole pass
+    (None), prompts share passes of up to 2048 rows."""
     return st.one_of(st.integers(1, 40), st.integers(100, 300), st.integers(500, 1100))
 
 
@@ -163,7 +171,7 @@ def request_mixes(draw):
         prompt = draw(st.lists(st.integers(0, 511), min_size=length, max_size=length))
         mix.append((prompt, draw(st.integers(1, 8)), draw(samplings), draw(st.integers(0, 6)),
                     draw(st.one_of(st.none(), st.integers(1, 60)))))
-    return mix, draw(st.sampled_from([1, 16, 256]))
+    return mix, draw(st.sampled_from([1, 16, 256, None]))
 
 
 def numpy_like(model, hip_backend):
@@ -188,7 +196,7 @@ def run_engine(model, backend, mix, quantum):
 @given(case=request_mixes())
 def test_engine_tokens_equal_across_backends(model, rt, shard, case):
     mix, quantum = case
-    dev = hip(model, rt)
+    dev = hip(model, rt, LONG_PASS_ROWS)
     want = run_engine(model, numpy_like(model, dev), mix, quantum)
     got = run_engine(model, dev, mix, quantum)
     assert got[0] == want[0], "tokens differ"
@@ -306,7 +314,7 @@ def test_golden_greedy_on_hip(model, rt):
 
 
 # ---------------------------------------------------------------------------
-# (f) prompt passes: the 256-lane bucket
+# (f) prompt passes: every bucket up to 2048 lanes
 # ---------------------------------------------------------------------------
 
 
@@ -316,8 +324,8 @@ def prompt_passes(draw):
     length = draw(st.integers(300, 1100))
     sizes, left = [], length
     while left > 0:
-        n = min(left, draw(st.sampled_from([1, 3, 16, 17, 100, 129, 255, 256])))
-        crowd = draw(st.integers(0, 256 - n))
+        n = min(left, draw(st.sampled_from([1, 3, 16, 17, 100, 129, 255, 256, 257, 700, 1024, LONG_PASS_ROWS])))
+        crowd = draw(st.integers(0, LONG_PASS_ROWS - n))
         sizes.append((n, crowd))
         left -= n
     return length, sizes, draw(st.integers(0, 2**32 - 1))
@@ -327,7 +335,7 @@ def prompt_passes(draw):
 @settings(max_examples=PREFILL_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=prompt_passes())
 def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
-    """A prompt fed in passes of up to 256 rows, among other slots' prompt rows and decode
+    """A prompt fed in passes of up to 2048 rows, among other slots' prompt rows and decode
     rows on random lanes and pages, gives every row the logits of decode_logits (one row a
     pass) and leaves the same stored bytes as NumpyBackend fed one row a pass."""
     length, sizes, seed = case
@@ -335,7 +343,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
     ids = rng.integers(0, model.config.vocab_size, length)
     want = model.reference.decode_logits(ids)
     n_slots, n_pages, target = 6, 64, 4
-    b = hip(model, rt)
+    b = hip(model, rt, LONG_PASS_ROWS)
     b.configure(n_slots, n_pages)
     pages = [int(p) for p in rng.permutation(n_pages)]
     tables = {s: [pages.pop() for _ in range(9)] for s in range(n_slots)}  # 1152 positions each
@@ -361,7 +369,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
             pos[r.slot] += 1
         i += n
     assert len(got) == length
-    assert_rows_bitwise(got, want, f"[{model.numerics}] prompt passes of up to 256 rows vs decode_logits")
+    assert_rows_bitwise(got, want, f"[{model.numerics}] prompt passes of up to {LONG_PASS_ROWS} rows vs decode_logits")
     assert b.capture_count <= len(b.buckets) and b.replay_count == passes
 
     ref = NumpyBackend(model.reference)
