@@ -32,7 +32,9 @@ from ..console import HelpFormatter
 import numpy as np
 
 from .config import DS4Config
+from .dflash_names import DSparkConfig
 from .tensors import tensor_shapes
+from .version import V0731
 
 # Clamp limits low enough that the SwiGLU clamp acts on a good share of
 # random activations (the gate/up projections below have std ~2).
@@ -357,6 +359,41 @@ def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str]]:
         if suffix in _DTYPE_BY_SUFFIX or suffix in ("e_proj.weight", "h_proj.weight", "hc_head_fn.weight"):
             dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix, "f16" if suffix == "hc_head_fn.weight" else "q8_0")
     return tensors, dtypes
+
+
+DSPARK_SEED_OFFSET = 2 << 20  # the DSpark draft's generators come after the MTP's
+
+
+def tiny_dspark(config: DS4Config) -> DSparkConfig:
+    """The tiny model's DSpark settings, 0731's in miniature: a block of 5, the last three
+    layers' hidden states, a rank-32 Markov head, the last token id as the noise token."""
+    from .dflash_names import DSparkConfig
+    n = config.n_layer
+    return DSparkConfig(block_size=5, noise_token_id=config.vocab_size - 1, markov_rank=32,
+                        target_layers=tuple(range(max(0, n - 3), n)))
+
+
+def random_dspark(config: DS4Config, dcfg: DSparkConfig, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors by their `mtp.S.*` names, their stored types) of a random DSpark draft for
+    `config`, drawn like the main tensors from generators of their own (stages as the tiny
+    layers are stored; the draft's own matrices f16, its norms and hc scalars f32)."""
+    from .dflash_names import PREFIX, dspark_tensor_shapes, stage_config
+    scfg = stage_config(config)
+    tensors, dtypes = {}, {}
+    for i, (name, shape) in enumerate(dspark_tensor_shapes(config, dcfg).items()):
+        rng = np.random.default_rng([seed, DSPARK_SEED_OFFSET + i])
+        suffix = name[len(PREFIX):].split(".", 1)[1]
+        tensors[name] = _random_tensor(rng, scfg, suffix, tuple(shape))
+        if suffix in _DTYPE_BY_SUFFIX:
+            dtypes[name] = _DTYPE_BY_SUFFIX[suffix]
+        elif len(shape) >= 2:
+            dtypes[name] = "f16"
+    return tensors, dtypes
+
+
+def tiny_0731_config(**overrides) -> DS4Config:
+    """tiny_config as a 0731 model: the same sizes, named and versioned 0731 (gguf.version)."""
+    return tiny_config(**{"name": "ds4-tiny-0731", "version": V0731, **overrides})
 
 
 def default_model_path() -> Path:
