@@ -64,3 +64,9 @@ def version_signs(meta: Mapping[str, Any], arch: str = "deepseek4") -> list[str]
 def model_version(meta: Mapping[str, Any], arch: str = "deepseek4") -> str:
     """ORIGINAL or V0731 (module docstring)."""
     return V0731 if version_signs(meta, arch) else ORIGINAL
+
+
+def chat_version(meta: Mapping[str, Any], arch: str = "deepseek4") -> str:
+    """The version whose chat rules a model's prompts follow: those of the template the file
+    carries, when it is one of the two, else the model's version."""
+    return template_version(meta.get("tokenizer.chat_template")) or model_version(meta, arch)
