@@ -134,6 +134,8 @@ def test_mtp_files_of_another_model_are_refused(files):
         ds4ref.load(default_model_path(), mtp=files / "mtp-seed2.gguf")
     with pytest.raises(MTPError, match="DSpark draft .* not an MTP file"):
         ds4ref.load(files / "m.gguf", mtp=files / "draft.gguf")
+    with pytest.raises(ValueError, match="is a DSpark draft .* not a model"):
+        ds4ref.load(files / "draft.gguf")
 
 
 # ---- ds4ref's converter on a 0731 checkpoint --------------------------------------------------------------

@@ -468,6 +468,9 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
 
 
 def _config_from(meta: dict, path: str) -> DS4Config:
+    if meta.get("general.architecture") == DFLASH_ARCH:
+        raise GGUFError(f"{path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's, llama.cpp's dflash layout), "
+                        f"not a model: it drafts beside its model file")
     try:
         config = DS4Config.from_metadata(meta)
         check_tokenizer(meta, config.vocab_size)

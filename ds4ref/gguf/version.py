@@ -48,7 +48,9 @@ def version_signs(meta: Mapping[str, Any], arch: str = "deepseek4") -> list[str]
     signs = []
     ratios, blocks = meta.get(f"{arch}.attention.compress_ratios"), meta.get(f"{arch}.block_count")
     nextn = meta.get(f"{arch}.nextn_predict_layers", 0) or 0
-    if isinstance(ratios, list) and isinstance(blocks, int) and len(ratios) == blocks - nextn + DSPARK_STAGES:
+    # the layers' entries then the stages': llama.cpp's files count the layers in block_count;
+    # antirez's say nextn_predict_layers = 1 with no MTP block in the file, so both counts are read
+    if isinstance(ratios, list) and isinstance(blocks, int) and len(ratios) - DSPARK_STAGES in (blocks, blocks - nextn):
         signs.append(f"{arch}.attention.compress_ratios has {len(ratios)} entries for {blocks} blocks "
                      f"(+{DSPARK_STAGES} DSpark stages)")
     if any(k.startswith(f"{arch}.dspark.") for k in meta):

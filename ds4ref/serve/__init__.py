@@ -98,7 +98,7 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
         mtp = packaged_mtp(model_file.path)
     if mtp is not None:  # the tensors it reads, not the copies of the model's llama.cpp's MTP file carries
         from ..gguf.mtp import separate_mtp
-        weights += separate_mtp(mtp, model_file.config, model_file=model_file).stored_bytes()
+        weights += separate_mtp(mtp, model_file.config).stored_bytes()  # sizes only: a dry run reads no tensor
     has_mtp = mtp is not None or model_file.mtp_block is not None
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
