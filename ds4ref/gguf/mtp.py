@@ -241,10 +241,20 @@ def _check_sizes(meta: Mapping[str, Any], cfg: DS4Config, where: str) -> None:
                            f"this MTP file belongs to another model")
 
 
-def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> MTPWeights:
+def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32, model_file=None) -> MTPWeights:
     """The MTP block of a separate MTP GGUF for a model of config `cfg`: llama.cpp's MTP file
-    (its converter's `--mtp`, and ds4ref's) or antirez's (`mtp.0.*` tensors)."""
+    (its converter's `--mtp`, and ds4ref's) or antirez's (`mtp.0.*` tensors). With the model's
+    file, the MTP file must belong to it (gguf.draft_target: sizes, version, the model's
+    output_norm where the MTP file carries a copy)."""
+    from .draft_target import DSPARK, DraftTargetError, check_draft_target, draft_kind
     mf = MTPFile(path)
+    if draft_kind(mf.metadata, mf.tensors) == DSPARK:
+        raise MTPError(f"{mf.path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's), not an MTP file")
+    if model_file is not None:
+        try:
+            check_draft_target(mf.metadata, mf.path, model_file, mf)
+        except DraftTargetError as exc:
+            raise MTPError(str(exc)) from None
     _check_sizes(mf.metadata, cfg, mf.path)
     shapes = {n: t.shape for n, t in mf.tensors.items()}
     block = mtp_file_block(mf.metadata, shapes)

@@ -32,7 +32,9 @@ from ..console import HelpFormatter
 import numpy as np
 
 from .config import DS4Config
+from .dflash_names import DSparkConfig
 from .tensors import tensor_shapes
+from .version import ORIGINAL, V0731, VERSIONS
 
 # Clamp limits low enough that the SwiGLU clamp acts on a good share of
 # random activations (the gate/up projections below have std ~2).
@@ -311,11 +313,13 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
                dtypes: dict[str, str] | None = None, policy: str | None = None,
-               mtp: str | os.PathLike | None = None) -> DS4Config:
+               mtp: str | os.PathLike | None = None, dspark: str | os.PathLike | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
     `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (a path,
     not with a policy) writes a random MTP block there as llama.cpp's MTP file (gguf.mtp),
-    for ds4ref.load(path, mtp=...): the model file itself never carries one."""
+    for ds4ref.load(path, mtp=...): the model file itself never carries one. A 0731 config
+    (tiny_0731_config) takes `dspark` instead: a random DSpark draft (tiny_dspark) written
+    there as llama.cpp's dflash file (gguf.dflash_file)."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
@@ -331,6 +335,15 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
     tokenizer = tiny_tokenizer_meta(config.vocab_size)
     write_gguf(path, config, tensors, tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+    if (mtp is not None and config.version == V0731) or (dspark is not None and config.version != V0731):
+        raise ValueError(f"a {config.version} model's draft is {'a DSpark draft' if config.version == V0731 else 'an MTP block'}")
+    if dspark is not None:
+        from .dflash_file import write_dflash_gguf
+        from .draft_target import fingerprint
+        dcfg = tiny_dspark(config)
+        draft, draft_dtypes = random_dspark(config, dcfg, seed)
+        write_dflash_gguf(dspark, config, dcfg, draft, tokenizer, draft_dtypes if dtypes else {}, extra_meta=extra,
+                          target_fingerprint=fingerprint(tensors["output_norm.weight"]))
     if mtp is not None:
         from .mtp import SHARED, write_mtp_gguf
         mtp_tensors, mtp_dtypes = random_mtp(config, seed)
@@ -357,6 +370,41 @@ def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str]]:
         if suffix in _DTYPE_BY_SUFFIX or suffix in ("e_proj.weight", "h_proj.weight", "hc_head_fn.weight"):
             dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix, "f16" if suffix == "hc_head_fn.weight" else "q8_0")
     return tensors, dtypes
+
+
+DSPARK_SEED_OFFSET = 2 << 20  # the DSpark draft's generators come after the MTP's
+
+
+def tiny_dspark(config: DS4Config) -> DSparkConfig:
+    """The tiny model's DSpark settings, 0731's in miniature: a block of 5, the last three
+    layers' hidden states, a rank-32 Markov head, the last token id as the noise token."""
+    from .dflash_names import DSparkConfig
+    n = config.n_layer
+    return DSparkConfig(block_size=5, noise_token_id=config.vocab_size - 1, markov_rank=32,
+                        target_layers=tuple(range(max(0, n - 3), n)))
+
+
+def random_dspark(config: DS4Config, dcfg: DSparkConfig, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors by their `mtp.S.*` names, their stored types) of a random DSpark draft for
+    `config`, drawn like the main tensors from generators of their own (stages as the tiny
+    layers are stored; the draft's own matrices f16, its norms and hc scalars f32)."""
+    from .dflash_names import PREFIX, dspark_tensor_shapes, stage_config
+    scfg = stage_config(config)
+    tensors, dtypes = {}, {}
+    for i, (name, shape) in enumerate(dspark_tensor_shapes(config, dcfg).items()):
+        rng = np.random.default_rng([seed, DSPARK_SEED_OFFSET + i])
+        suffix = name[len(PREFIX):].split(".", 1)[1]
+        tensors[name] = _random_tensor(rng, scfg, suffix, tuple(shape))
+        if suffix in _DTYPE_BY_SUFFIX:
+            dtypes[name] = _DTYPE_BY_SUFFIX[suffix]
+        elif len(shape) >= 2:
+            dtypes[name] = "f16"
+    return tensors, dtypes
+
+
+def tiny_0731_config(**overrides) -> DS4Config:
+    """tiny_config as a 0731 model: the same sizes, named and versioned 0731 (gguf.version)."""
+    return tiny_config(**{"name": "ds4-tiny-0731", "version": V0731, **overrides})
 
 
 def default_model_path() -> Path:
@@ -390,6 +438,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
     ap.add_argument("--mtp-out", default=None, metavar="FILE",
                     help="also write a random MTP block to FILE, as llama.cpp's MTP file (not with --policy)")
+    ap.add_argument("--version", choices=VERSIONS, default=ORIGINAL,
+                    help="the release the tiny model mimics: 0731 adds its signs (gguf.version) and takes "
+                         "--dspark-out instead of --mtp-out")
+    ap.add_argument("--dspark-out", default=None, metavar="FILE",
+                    help="with --version 0731: also write a random DSpark draft to FILE, as llama.cpp's dflash file")
     ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
                     help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
     args = ap.parse_args(argv)
@@ -403,13 +456,19 @@ def main(argv: list[str] | None = None) -> None:
         overrides.update(compress_ratios=ratios, n_layer=len(ratios))
     if args.layers is not None:
         overrides["n_layer"] = args.layers
+    if (args.mtp_out and args.version == V0731) or (args.dspark_out and args.version != V0731):
+        ap.error("--mtp-out goes with the original, --dspark-out with --version 0731")
+    if args.version == V0731:
+        overrides.update(name="ds4-tiny-0731", version=V0731)
     cfg = (policy_config if args.policy else tiny_config)(**overrides)
     write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy,
-               mtp=args.mtp_out)
+               mtp=args.mtp_out, dspark=args.dspark_out)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
     if args.mtp_out:
         print(f"wrote {args.mtp_out}: its MTP block, {os.path.getsize(args.mtp_out)} bytes")
+    if args.dspark_out:
+        print(f"wrote {args.dspark_out}: its DSpark draft, {os.path.getsize(args.dspark_out)} bytes")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from ..backend import DECODE_LANES
+from ..gguf.version import chat_version
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -47,11 +48,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
-                        vocab_size=model.config.vocab_size,
+                        vocab_size=model.config.vocab_size, chat_version=chat_version(model.metadata),
                         pool_tokens=engine.pool.n_pages * engine.pool.page_tokens, api_key=api_key or None,
                         allowed_origins=tuple(allowed_origins))
     describe = getattr(engine.backend, "describe", None)
-    state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
+    release = " (DeepSeek-V4-Flash-0731: its chat template's reasoning efforts)" if state.chat_version == "0731" else ""
+    state.banner = (f"ds4ref serving {name!r}{release} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
                     f"(prompt chunks of up to {scheduler.prompt_quantum}), {engine.pool.n_pages} KV pages of "
@@ -96,7 +98,7 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
         mtp = packaged_mtp(model_file.path)
     if mtp is not None:  # the tensors it reads, not the copies of the model's llama.cpp's MTP file carries
         from ..gguf.mtp import separate_mtp
-        weights += separate_mtp(mtp, model_file.config).stored_bytes()
+        weights += separate_mtp(mtp, model_file.config).stored_bytes()  # sizes only: a dry run reads no tensor
     has_mtp = mtp is not None or model_file.mtp_block is not None
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
