@@ -571,11 +571,12 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
 
 
 def write_tensor_file(path: str | os.PathLike, meta: Mapping[str, Any], tensors: Mapping[str, Any],
-                      dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32") -> None:
-    """Write a deepseek4 GGUF of `meta` and `tensors`, in their order, checking neither
-    against a config (write_gguf does for a model file, gguf.mtp for an MTP file)."""
+                      dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32", arch: str = ARCH) -> None:
+    """Write a GGUF of architecture `arch` (deepseek4; gguf.dspark writes llama.cpp's dflash) of
+    `meta` and `tensors`, in their order, checking neither against a config (write_gguf does for
+    a model file, gguf.mtp for an MTP file)."""
     dtypes = dict(dtypes or {})
-    writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
     try:
         _add_metadata(writer, meta)
         for name, value in tensors.items():  # tensor infos first: the header precedes all data
