@@ -267,3 +267,31 @@ def test_dspark_speculation_is_exact(tiny, reqs, k, cache):
     eng.run(make())
     assert _trace(eng, len(reqs)) == _trace(plain, len(reqs))
     assert eng.scheduler.stats()["spec_rounds"] > 0 or all(m == 1 for _, m, _, _ in reqs)
+
+
+# ---- memory plan, bench and server flags --------------------------------------------------------
+def test_memory_plan_counts_the_draft_rings_and_weights(files, tiny):
+    from ds4ref.serve import plan_start
+    _, without = plan_start(None, "numpy", "official", 2, None, None, prefix_cache=False)
+    _, plan = plan_start(None, "numpy", "official", 2, None, None, prefix_cache=False, dspark=files)
+    backend = tiny.make_backend()
+    backend.configure(plan.lanes, plan.n_pages)
+    assert sum(s.rings.nbytes for s in backend.draft_states) == plan.draft > 0
+    assert plan.weights - without.weights == load_dspark(files, tiny.config).stored_bytes()
+    with pytest.raises(ValueError, match="hip backend does not run DSpark"):
+        plan_start(None, "hip", "official", 2, None, None, dspark=files)
+
+
+def test_bench_drafts_with_dspark_exactly(files, capsys):
+    from ds4ref.cli.bench_spec import main
+    argv = ["--speculative-tokens", "3", "--concurrency", "2", "--max-tokens", "8", "--prompt-tokens", "8"]
+    assert main(argv + ["--dspark", str(files), "--draft", "dspark"]) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] == ["2"]}
+    assert set(rows) == {"plain", "dspark"} and all(r[-1] == "yes" for r in rows.values())
+    for bad, why in ((["--draft", "dspark"], "needs a DSpark draft"),
+                     (["--dspark", str(files), "--draft", "mtp"], "drafts with DSpark"),
+                     (["--dspark", str(files), "--draft", "dspark", "--speculative-tokens", "6"], "at most 5")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv + bad)
+        assert exc.value.code == 2 and why in capsys.readouterr().err
