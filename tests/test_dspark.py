@@ -295,3 +295,17 @@ def test_bench_drafts_with_dspark_exactly(files, capsys):
         with pytest.raises(SystemExit) as exc:
             main(argv + bad)
         assert exc.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_dspark_speculation_from_the_prefix_cache_is_exact(tiny):
+    """A prompt that starts with a whole cached page (and its draft rings, from the snapshot) drafts
+    from there: tokens and logprobs are plain decoding's, and the second request hit the cache."""
+    shared = [(11 * i) % 500 + 2 for i in range(140)]
+    make = lambda: [Request(shared + [7, 9, 11][:j + 1], 10, SAMPLINGS[j], ignore_eos=True, req_id=1000 + j)  # noqa
+                    for j in range(2)]
+    plain = Engine(tiny, 1)
+    plain.run(make())
+    eng = Engine(tiny, 1, speculative_tokens=4, spec_min_rate=0.0)
+    eng.run(make())
+    assert _trace(eng, 2) == _trace(plain, 2)
+    assert eng.finishes[1].cached_tokens >= 128 and eng.scheduler.stats()["spec_rounds"] > 0
