@@ -19,11 +19,12 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None,
-                speculative_tokens: int = 0):
+                speculative_tokens: int = 0, dspark: Optional[str] = None):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
     max_batched_rows are the Scheduler's (None: chunked prefill over the backend's whole pass);
     prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model (ds4ref.load's `mtp`);
-    speculative_tokens: drafts per round (0: off), from the model's MTP block."""
+    speculative_tokens: drafts per round (0: off), from the model's MTP block, or from `dspark`, a
+    DSpark draft GGUF (ds4ref.load's `dspark`), when given."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -33,11 +34,11 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     from .runner import Runner
 
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache, mtp)
+                                  max_batched_rows, prefix_cache, mtp, dspark)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
-    model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp)
+    model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp, dspark=dspark)
     context = plan.context
-    if speculative_tokens and model.mtp is None:
+    if speculative_tokens and model.mtp is None and model.dspark is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
                          f"none; give its MTP file with --mtp FILE")
     engine = SeqEngine(model.make_backend(backend), model.config, max_concurrency=max_concurrency,
@@ -60,14 +61,15 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"{engine.pool.page_tokens} tokens, context {context} tokens, max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
-                    f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
+                    f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}"
+                    f"{' (DSpark)' if speculative_tokens and model.dspark is not None else ''}")
     state.plan = summary(plan)
     return state
 
 
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
                kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
-               prefix_cache: bool = True, mtp: Optional[str] = None):
+               prefix_cache: bool = True, mtp: Optional[str] = None, dspark: Optional[str] = None):
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing.
     (The upper bound of max_batched_rows is the backend's, checked once it exists.)"""
@@ -100,10 +102,19 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
         from ..gguf.mtp import separate_mtp
         weights += separate_mtp(mtp, model_file.config).stored_bytes()  # sizes only: a dry run reads no tensor
     has_mtp = mtp is not None or model_file.mtp_block is not None
+    draft_config = None
+    if dspark is not None:  # it drafts instead of the MTP block: its weights and a ring a stage a lane
+        from ..gguf.dspark import load_dspark
+        if backend == "hip":
+            raise ValueError("--dspark: the hip backend does not run DSpark drafts yet (use --backend numpy)")
+        drafter = load_dspark(dspark, model_file.config)
+        weights += drafter.stored_bytes()
+        draft_config, has_mtp = drafter.dspark.stages, True
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
-                     mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
+                     mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None,
+                     draft_config=draft_config)
     if backend == "hip":  # what HipBackend.configure allocates beside the state, for its largest pass
         from dataclasses import replace
         from ..gguf.mtp import mtp_config
@@ -143,11 +154,12 @@ def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
 def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
             kv_pool_tokens: Optional[int], max_context: Optional[int],
             memory_budget: Optional[int], max_batched_rows: Optional[int] = None,
-            prefix_cache: bool = True, mtp: Optional[str] = None) -> tuple[str, Optional[str]]:
+            prefix_cache: bool = True, mtp: Optional[str] = None,
+            dspark: Optional[str] = None) -> tuple[str, Optional[str]]:
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache, mtp)
+                                  max_batched_rows, prefix_cache, mtp, dspark)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)
