@@ -100,7 +100,8 @@ def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics
     comes from `mtp`, a separate MTP GGUF (llama.cpp's MTP file or antirez's), or from the
     model file itself in ds4ref's former layout; the embedded model's ships beside it.
     `dspark`: a DSpark draft GGUF (llama.cpp's dflash file or antirez's DSpark support file);
-    speculative decoding then drafts with it (gguf.dspark, reference/dspark.py)."""
+    speculative decoding then drafts with it (gguf.dspark_file, reference/dspark.py); it must
+    belong to this model (gguf.draft_target: a DeepSeek-V4-Flash-0731 model)."""
     from .gguf.file import open_gguf
     from .gguf.tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
@@ -128,9 +129,9 @@ def from_file(model_file, backend: str = "numpy", numerics: str = "official", dt
         notes.append(f"MTP block from {os.fspath(mtp)}")
     dspark_weights = None
     if dspark is not None:
-        from .gguf.dspark import load_dspark
+        from .gguf.dspark_file import load_dspark
         MTPFile(dspark).check_finite()
-        dspark_weights = load_dspark(dspark, model_file.config, dtype)
+        dspark_weights = load_dspark(dspark, model_file, dtype)
         notes.append(f"DSpark draft from {os.fspath(dspark)}")
     return DS4Model(model_file.metadata, model_file.weights(dtype), numerics=numerics, backend=backend,
                     path=model_file.path, notes=notes, mtp_weights=mtp_weights, dspark_weights=dspark_weights)

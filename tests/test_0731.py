@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ds4ref
-from ds4ref.gguf.dflash_names import DFLASH_ARCH, dflash_name, dspark_tensor_shapes, name_table
+from ds4ref.gguf.dspark import DFLASH_ARCH, DSparkError, dflash_name, dspark_tensor_shapes, name_table
 from ds4ref.gguf.draft_target import TARGET_FINGERPRINT, DraftTargetError, check_draft_target
 from ds4ref.gguf.file import MTPFile, open_gguf
 from ds4ref.gguf.mtp import MTPError
@@ -21,11 +21,11 @@ IDS = [0, 5, 77, 300, 12, 9, 401, 33, 250, 18]
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """The tiny 0731 model and its draft (the CLI, as a user writes them), a second draft of another
-    seed, a 0731 model too shallow for the draft, and an MTP file of a model of other sizes."""
-    d = tmp_path_factory.mktemp("tiny-0731")
-    tiny_main(["--version", "0731", "--out", str(d / "m.gguf"), "--dspark-out", str(d / "draft.gguf")])
+def files(tiny_0731):
+    """The folder of the tiny 0731 model and its draft (conftest: m.gguf, draft.gguf), with a
+    model of another seed and its draft, a 0731 model too shallow for the draft, and an MTP file
+    of a model of other sizes."""
+    d = tiny_0731[0].parent
     tiny_main(["--version", "0731", "--seed", "1", "--out", str(d / "m1.gguf"), "--dspark-out", str(d / "draft1.gguf")])
     write_tiny(d / "shallow.gguf", tiny_0731_config(n_layer=2, n_hash_layers=1))
     write_tiny(d / "wide.gguf", tiny_config(n_head=8), mtp=d / "mtp-wide.gguf")
@@ -115,6 +115,9 @@ def test_drafts_beside_another_model_are_refused_by_name(files):
     assert f"{TARGET_FINGERPRINT} =" in refusal(files / "draft.gguf", files / "m1.gguf")
     assert "after target layers [3, 4, 5], the model has 2 layers" in refusal(files / "draft.gguf",
                                                                              files / "shallow.gguf")
+    with pytest.raises(DSparkError, match=f"{files / 'draft.gguf'} belongs to another model than "
+                                          f"{files / 'm1.gguf'}: .*{TARGET_FINGERPRINT}"):
+        ds4ref.load(files / "m1.gguf", dspark=files / "draft.gguf")  # the reader checks it
 
 
 def test_an_original_mtp_file_beside_0731_is_refused(files):

@@ -1,6 +1,8 @@
-"""DSpark drafts (docs/mtp.md, "DSpark"): the draft against the official formulas written out in
-float64, its two GGUF layouts (llama.cpp's dflash file, antirez's support file) giving the same
-drafts, clear errors, and speculative decoding with DSpark drafts changing no token or logprob."""
+"""DSpark drafts (docs/mtp.md, "DSpark") beside the tiny DeepSeek-V4-Flash-0731 model: the draft
+against the official formulas written out in float64, its GGUF layouts (llama.cpp's dflash file,
+antirez/ds4's support file in both its key sets) giving the same drafts, clear errors, and
+speculative decoding with DSpark drafts changing no token or logprob. The dflash file's layout and
+the draft-to-model checks: tests/test_0731.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,40 +10,32 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ds4ref
-from ds4ref.gguf.dspark import (ANTIREZ_ARCH, DSparkError, dflash_metadata, dspark_tensor_shapes, llama_name,
-                                load_dspark)
-from ds4ref.gguf.file import MTPFile, write_tensor_file
-from ds4ref.gguf.tiny import write_tiny
-from ds4ref.gguf.tiny_dspark import random_dspark, tiny_dspark_config, write_tiny_dspark
+from ds4ref.gguf.dspark import SUPPORT_ARCH, DSparkError
+from ds4ref.gguf.dspark_file import load_dspark
+from ds4ref.gguf.file import open_gguf, write_tensor_file
+from ds4ref.gguf.tiny import random_dspark, tiny_0731_config, write_tiny
 from ds4ref.reference import ops
 from ds4ref.reference.layers import LayerWeights, attention_output, ffn_block, hc
-from ds4ref.scheduler import Request, Sampling, TokenEvent
+from ds4ref.scheduler import Request, Sampling
 from ds4ref.scheduler.engine import Engine
+from test_speculative import trace  # per request: its token events and its finish
 
 IDS = [5, 77, 300, 12, 9, 401, 33, 250, 18, 64, 100, 7, 222, 91, 3, 480, 17, 58, 199, 2, 45, 310]
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """The embedded tiny model and a random DSpark draft for it (llama.cpp's dflash file)."""
-    path = tmp_path_factory.mktemp("dspark") / "dspark-ds4-tiny.gguf"
-    write_tiny_dspark(path, ds4ref.load().config)
-    return path
+@pytest.fixture(scope="session")
+def tiny(tiny_0731):
+    """The tiny 0731 model with its DSpark draft (conftest's tiny_0731: llama.cpp's dflash file)."""
+    return ds4ref.load(tiny_0731[0], dspark=tiny_0731[1])
 
 
-@pytest.fixture(scope="module")
-def tiny(files):
-    return ds4ref.load(dspark=files)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def all_f32(tmp_path_factory):
-    """The tiny model and its draft with every tensor f32: official float32 products of
+    """The tiny 0731 model and its draft with every tensor f32: official float32 products of
     block-quantised weights quantise their inputs to Q8 (canon.qlinear), which a float64 formula
     would not."""
     path = tmp_path_factory.mktemp("dspark") / "f32.gguf"
-    cfg = write_tiny(path, dtypes={})
-    write_tiny_dspark(path.with_name("dspark-f32.gguf"), cfg, dtypes={})
+    write_tiny(path, tiny_0731_config(), dtypes={}, dspark=path.with_name("dspark-f32.gguf"))
     return path, path.with_name("dspark-f32.gguf")
 
 
@@ -81,7 +75,7 @@ def _float64_dspark(m64, hidden, anchor):
     with no mask, the hc head, the Markov chain, the confidence head); HC pre/post, the output
     projection's grouping and the FFN are the main layers' float64 code."""
     d, dc = m64.dspark, m64.dspark.config
-    sc, w = dc.stages, d.weights
+    sc, w = d.stages, d.weights
     g = lambda s, n: w.get(f"mtp.{s}.{n}")  # noqa: E731
     eps, B, W, last = sc.rms_eps, dc.block_size, sc.sliding_window, dc.n_stages - 1
     omega = m64.reference.tables.omega(0).astype(np.float64)
@@ -185,69 +179,62 @@ def test_several_sequences_draft_as_each_alone(tiny):
 
 
 # ---- the GGUF layouts ---------------------------------------------------------------------------
-def test_dflash_file_is_llama_cpps_layout(files, tiny):
-    f = MTPFile(files)
-    meta, dc = f.metadata, tiny.dspark.config
-    assert meta["general.architecture"] == "dflash"
-    assert meta["dflash.block_size"] == 5 and meta["dflash.block_count"] == 3
-    assert list(meta["dflash.target_layers"]) == [t + 1 for t in dc.target_layers]  # llama.cpp taps layer inputs
-    assert meta["tokenizer.ggml.mask_token_id"] == dc.noise_token_id
-    assert list(meta["dflash.attention.compress_ratios"]) == [0, 0, 0]
-    for name in ("fc.weight", "enc.output_norm.weight", "output_norm.weight", "output_hc_fn.weight",
-                 "markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "blk.2.attn_kv.weight",
-                 "blk.0.ffn_gate_exps.weight"):
-        assert name in f.tensors, name
-    assert "token_embd.weight" not in f.tensors and "output.weight" not in f.tensors  # the target's are shared
-    assert len(f.tensors) == len(dspark_tensor_shapes(dc))
-
-
-def _antirez_file(path, cfg, dc, drop=None, **meta):
-    tensors, dtypes = random_dspark(cfg, dc)
-    keys = {"dspark.block_size": dc.block_size, "dspark.markov_rank": dc.markov_rank,
-            "dspark.noise_token_id": dc.noise_token_id, "dspark.target_layer_ids": list(dc.target_layers),
-            "dspark.stage_count": dc.n_stages, "dspark.n_layers": dc.n_stages, **meta}
+def _antirez_file(path, model_path, dc, layout, drop=None, **meta):
+    """The draft under our names (= antirez/ds4's) with the keys of antirez/ds4's
+    gguf-tools/deepseek4-quantize.c: `support` its --dspark-support file (architecture
+    deepseek4-dspark, dspark.* keys, target ids as one u32 array), `inline` its earlier
+    --dspark-only file (the template model's deepseek4.* keys, deepseek4.dspark.*, one u32 key a
+    target layer)."""
+    tensors, dtypes = random_dspark(open_gguf(model_path).config, dc)
+    if layout == "support":
+        keys, arch = {"dspark.block_size": dc.block_size, "dspark.markov_rank": dc.markov_rank,
+                      "dspark.noise_token_id": dc.noise_token_id, "dspark.target_layer_ids": list(dc.target_layers),
+                      "dspark.stage_count": dc.n_stages, "dspark.n_layers": dc.n_stages}, SUPPORT_ARCH
+    else:
+        keys = {k: v for k, v in open_gguf(model_path).metadata.items() if not k.startswith("general.")}
+        keys.update({"deepseek4.dspark.n_mtp_layers": dc.n_stages, "deepseek4.dspark.block_size": dc.block_size,
+                     "deepseek4.dspark.noise_token_id": dc.noise_token_id,
+                     "deepseek4.dspark.markov_rank": dc.markov_rank,
+                     **{f"deepseek4.dspark.target_layer_ids.{i}": t for i, t in enumerate(dc.target_layers)}})
+        arch = "deepseek4"
     tensors.pop(drop, None)
-    write_tensor_file(path, keys, tensors, dtypes, arch=ANTIREZ_ARCH)
+    write_tensor_file(path, {**keys, **meta}, tensors, dtypes, arch=arch)
     return path
 
 
-def test_antirez_layout_gives_the_same_drafts(tmp_path, tiny, files):
+@pytest.mark.parametrize("layout", ["support", "inline"])
+def test_antirez_layouts_give_the_same_drafts(tmp_path, tiny, tiny_0731, layout):
     dc = tiny.dspark.config
-    other = ds4ref.load(dspark=_antirez_file(tmp_path / "support.gguf", tiny.config, dc))
+    other = ds4ref.load(tiny_0731[0], dspark=_antirez_file(tmp_path / "support.gguf", tiny_0731[0], dc, layout))
+    assert other.dspark.config == dc
     _, hidden = _tapped(tiny, IDS)
     a, b = _draft(tiny, hidden[:-1], IDS[-1]), _draft(other, hidden[:-1], IDS[-1])
     assert a.tokens.tobytes() == b.tokens.tobytes() and a.logits.tobytes() == b.logits.tobytes()
     assert a.confidence.tobytes() == b.confidence.tobytes()
 
 
-def test_errors(tmp_path, tiny, files):
-    cfg, dc = tiny.config, tiny.dspark.config
-    with pytest.raises(DSparkError, match="no tensor 'mtp.2.markov_head.markov_w2.weight'"):
-        load_dspark(_antirez_file(tmp_path / "a.gguf", cfg, dc, drop="mtp.2.markov_head.markov_w2.weight"), cfg)
-    with pytest.raises(DSparkError, match="target layers"):
-        load_dspark(_antirez_file(tmp_path / "b.gguf", cfg, dc, **{"dspark.target_layer_ids": [4, 5, 6]}), cfg)
+def test_errors(tmp_path, tiny, tiny_0731):
+    model, draft = tiny_0731
+    mf, dc = open_gguf(model), tiny.dspark.config
+    with pytest.raises(DSparkError, match="missing DSpark tensor 'mtp.2.markov_head.markov_w2.weight'"):
+        load_dspark(_antirez_file(tmp_path / "a.gguf", model, dc, "support",
+                                  drop="mtp.2.markov_head.markov_w2.weight"), mf)
+    with pytest.raises(DSparkError, match=r"after target layers \[4, 5, 6\], the model has 6 layers"):
+        load_dspark(_antirez_file(tmp_path / "b.gguf", model, dc, "support", **{"dspark.target_layer_ids": [4, 5, 6]}),
+                    mf)
+    with pytest.raises(DSparkError, match="dspark.n_layers = 2 and dspark.stage_count = 3 disagree"):
+        load_dspark(_antirez_file(tmp_path / "c.gguf", model, dc, "support", **{"dspark.n_layers": 2}), mf)
     with pytest.raises(DSparkError, match="not a DSpark GGUF"):
-        load_dspark(ds4ref.gguf.tiny.default_mtp_path(), cfg)
-    wider = ds4ref.gguf.tiny.tiny_config(n_embd=256)
-    with pytest.raises(DSparkError, match="another model"):
-        load_dspark(files, wider)
+        load_dspark(ds4ref.gguf.tiny.default_mtp_path(), mf)
+    with pytest.raises(DSparkError, match=f"{draft} belongs to another model than .*: .* the model is the original"):
+        ds4ref.load(dspark=draft)  # the embedded original tiny: same sizes, no 0731
     with pytest.raises(ValueError, match="hip backend does not run DSpark"):
         tiny.make_backend("hip")
-    assert llama_name("mtp.1.attn_q_a.weight") == "blk.1.attn_q_a.weight"
-    assert dflash_metadata(cfg, dc)["dflash.hash_layer_count"] == 0
     with pytest.raises(ValueError, match="at most 5 tokens a round"):
         Engine(tiny, 1, speculative_tokens=6)
 
 
 # ---- speculative decoding with DSpark drafts ----------------------------------------------------
-def _trace(eng, n):
-    ev = [[] for _ in range(n)]
-    for e in eng.events:
-        if isinstance(e, TokenEvent):
-            ev[e.req_id - 1000].append((e.token, e.logprob, e.top_logprobs))
-    return ev, [(f.reason, f.completion_tokens) for f in eng.finishes]
-
-
 SAMPLINGS = [Sampling(), Sampling(logprobs=2), Sampling(temperature=0.9, top_k=20, seed=7, logprobs=3)]
 
 
@@ -265,33 +252,36 @@ def test_dspark_speculation_is_exact(tiny, reqs, k, cache):
     plain.run(make())
     eng = Engine(tiny, 2, prefix_cache=cache, speculative_tokens=k, spec_min_rate=0.0)
     eng.run(make())
-    assert _trace(eng, len(reqs)) == _trace(plain, len(reqs))
+    assert trace(eng, len(reqs)) == trace(plain, len(reqs))
     assert eng.scheduler.stats()["spec_rounds"] > 0 or all(m == 1 for _, m, _, _ in reqs)
 
 
 # ---- memory plan, bench and server flags --------------------------------------------------------
-def test_memory_plan_counts_the_draft_rings_and_weights(files, tiny):
+def test_memory_plan_counts_the_draft_rings_and_weights(tiny, tiny_0731):
     from ds4ref.serve import plan_start
-    _, without = plan_start(None, "numpy", "official", 2, None, None, prefix_cache=False)
-    _, plan = plan_start(None, "numpy", "official", 2, None, None, prefix_cache=False, dspark=files)
+    model, draft = (str(p) for p in tiny_0731)
+    _, without = plan_start(model, "numpy", "official", 2, None, None, prefix_cache=False)
+    _, plan = plan_start(model, "numpy", "official", 2, None, None, prefix_cache=False, dspark=draft)
     backend = tiny.make_backend()
     backend.configure(plan.lanes, plan.n_pages)
     assert sum(s.rings.nbytes for s in backend.draft_states) == plan.draft > 0
-    assert plan.weights - without.weights == load_dspark(files, tiny.config).stored_bytes()
+    assert plan.weights - without.weights == load_dspark(draft, open_gguf(model)).stored_bytes()
     with pytest.raises(ValueError, match="hip backend does not run DSpark"):
-        plan_start(None, "hip", "official", 2, None, None, dspark=files)
+        plan_start(model, "hip", "official", 2, None, None, dspark=draft)
 
 
-def test_bench_drafts_with_dspark_exactly(files, capsys):
+def test_bench_drafts_with_dspark_exactly(tiny_0731, capsys):
     from ds4ref.cli.bench_spec import main
-    argv = ["--speculative-tokens", "3", "--concurrency", "2", "--max-tokens", "8", "--prompt-tokens", "8"]
-    assert main(argv + ["--dspark", str(files), "--draft", "dspark"]) == 0
+    model, draft = tiny_0731
+    argv = ["--model", str(model), "--speculative-tokens", "3", "--concurrency", "2", "--max-tokens", "8",
+            "--prompt-tokens", "8"]
+    assert main(argv + ["--dspark", str(draft), "--draft", "dspark"]) == 0
     rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.split()[:1] == ["2"]}
     assert set(rows) == {"plain", "dspark"} and all(r[-1] == "yes" for r in rows.values())
     for bad, why in ((["--draft", "dspark"], "needs a DSpark draft"),
-                     (["--dspark", str(files), "--draft", "mtp"], "drafts with DSpark"),
-                     (["--dspark", str(files), "--draft", "dspark", "--speculative-tokens", "6"], "at most 5")):
+                     (["--dspark", str(draft), "--draft", "mtp"], "drafts with DSpark"),
+                     (["--dspark", str(draft), "--draft", "dspark", "--speculative-tokens", "6"], "at most 5")):
         with pytest.raises(SystemExit) as exc:
             main(argv + bad)
         assert exc.value.code == 2 and why in capsys.readouterr().err
@@ -307,5 +297,5 @@ def test_dspark_speculation_from_the_prefix_cache_is_exact(tiny):
     plain.run(make())
     eng = Engine(tiny, 1, speculative_tokens=4, spec_min_rate=0.0)
     eng.run(make())
-    assert _trace(eng, 2) == _trace(plain, 2)
+    assert trace(eng, 2) == trace(plain, 2)
     assert eng.finishes[1].cached_tokens >= 128 and eng.scheduler.stats()["spec_rounds"] > 0

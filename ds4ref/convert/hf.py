@@ -253,7 +253,7 @@ def config_from_hf(d: dict, name: str | None = None) -> DS4Config:
 def hf_version(d: dict, n_layer: int) -> str:
     """0731 when config.json carries the DSpark keys or a compress ratio per DSpark stage after the
     layers' (gguf.version); otherwise the original."""
-    from ..gguf.dflash_names import HF_KEYS
+    from ..gguf.dspark import HF_KEYS
     ratios = d.get("compress_ratios")
     if any(k in d for k in HF_KEYS) or (isinstance(ratios, list) and len(ratios) == n_layer + DSPARK_STAGES):
         return V0731
@@ -362,9 +362,9 @@ def to_checkpoint_tensors(cfg: DS4Config, tensors: Mapping[str, np.ndarray], nam
 
 
 def official_dspark_names(cfg: DS4Config, dcfg) -> dict[str, str]:
-    """Our name (`mtp.S.*`, gguf.dflash_names) -> the official checkpoint's, of every DSpark
+    """Our name (`mtp.S.*`, gguf.dspark) -> the official checkpoint's, of every DSpark
     tensor but the routed experts (one official tensor per expert: `mtp.S.ffn.experts.E.wN`)."""
-    from ..gguf.dflash_names import PREFIX, dspark_tensor_shapes, official_suffix
+    from ..gguf.dspark import PREFIX, dspark_tensor_shapes, official_suffix
     out = {}
     for name in dspark_tensor_shapes(cfg, dcfg):
         stage, suffix = name[len(PREFIX):].split(".", 1)
@@ -377,7 +377,7 @@ def official_dspark_names(cfg: DS4Config, dcfg) -> dict[str, str]:
 
 def official_dspark_tensors(cfg: DS4Config, dcfg, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The draft's tensors (ours) by the official checkpoint's names, experts one per expert."""
-    from ..gguf.dflash_names import PREFIX
+    from ..gguf.dspark import PREFIX
     names = official_dspark_names(cfg, dcfg)
     out = {}
     for name, arr in tensors.items():

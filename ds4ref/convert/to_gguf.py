@@ -553,8 +553,8 @@ def _convert_dspark(hf_dir: Path, cfg: DS4Config, sources, out, dspark_out, dtyp
                     extra) -> DS4Config:
     """The model file and the DSpark draft's dflash file, the draft planned as three more
     layers after the model's (so each stage is checked like a layer)."""
-    from ..gguf.dflash_file import write_dflash_gguf
-    from ..gguf.dflash_names import DSparkConfig, DSparkError, dspark_tensor_shapes
+    from ..gguf.dspark import DSparkConfig, DSparkError, dspark_tensor_shapes
+    from ..gguf.dspark_file import write_dflash_gguf
     from ..gguf.draft_target import fingerprint
     from ..gguf.file import write_gguf
     try:
@@ -589,12 +589,12 @@ def _convert_dspark(hf_dir: Path, cfg: DS4Config, sources, out, dspark_out, dtyp
 
 def with_dspark(cfg: DS4Config, dcfg) -> tuple[DS4Config, dict[str, str], dict[str, int]]:
     """(cfg with the draft's stages as more layers, source key -> our name of the draft's own
-    tensors, source prefix of each stage -> its layer), for planning the draft (gguf.dflash_names)."""
-    from ..gguf.dflash_names import OWN, own_name, stage_config
+    tensors, source prefix of each stage -> its layer), for planning the draft (gguf.dspark)."""
+    from ..gguf.dspark import OWN, own_name, stage_config
     from .hf import official_dspark_names
-    n, scfg = dcfg.n_stages, stage_config(cfg)
-    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + n, compress_ratios=cfg.compress_ratios + scfg.compress_ratios * n,
-                              swiglu_clamp=cfg.swiglu_clamp + scfg.swiglu_clamp * n, version=ORIGINAL)
+    n, scfg = dcfg.n_stages, stage_config(cfg, dcfg)
+    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + n, compress_ratios=cfg.compress_ratios + scfg.compress_ratios,
+                              swiglu_clamp=cfg.swiglu_clamp + scfg.swiglu_clamp, version=ORIGINAL)
     official = official_dspark_names(cfg, dcfg)
     own = {official[own_name(suffix, stage, dcfg)]: own_name(suffix, stage, dcfg) for suffix, stage, _ in OWN}
     return ext, own, {f"mtp.{s}.": cfg.n_layer + s for s in range(n)}

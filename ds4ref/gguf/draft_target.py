@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .config import ARCH
-from .dflash_names import DFLASH_ARCH, DSparkConfig, DSparkError
+from .dspark import DSPARK_ARCHS, INLINE, DSparkConfig, DSparkError
 from .version import ORIGINAL, V0731, model_version, version_signs
 
 MTP, DSPARK = "MTP", "DSpark"
@@ -47,10 +47,23 @@ def target_fingerprint(model_file) -> str:
 
 
 def draft_kind(meta: Mapping[str, Any], tensor_names) -> str:
-    """DSPARK for a dflash file or one with `mtp.S.main_proj` / `deepseek4.dspark.*`; else MTP."""
-    if meta.get("general.architecture") == DFLASH_ARCH or any(k.startswith(f"{ARCH}.dspark.") for k in meta):
+    """DSPARK for a dflash or DSpark support file, or one with `mtp.S.main_proj` /
+    `deepseek4.dspark.*`; else MTP."""
+    if meta.get("general.architecture") in DSPARK_ARCHS or any(k.startswith(INLINE) for k in meta):
         return DSPARK
     return DSPARK if any(n.endswith(".main_proj.weight") for n in tensor_names) else MTP
+
+
+def size_difference(draft_meta: Mapping[str, Any], cfg) -> str | None:
+    """The first size (SIZE_KEYS) the draft's metadata gives otherwise than a model of config
+    `cfg`, said as a refusal; None when all it gives agree."""
+    arch = draft_meta.get("general.architecture", ARCH)
+    mine = cfg.to_metadata()
+    for key in SIZE_KEYS:
+        theirs, ours = draft_meta.get(f"{arch}.{key}"), mine.get(f"{ARCH}.{key}")
+        if theirs is not None and ours is not None and theirs != ours:
+            return f"its {arch}.{key} is {theirs}, the model's {ARCH}.{key} is {ours}"
+    return None
 
 
 def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, draft_tensors=None,
@@ -65,12 +78,9 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
     def refuse(what: str) -> None:
         raise DraftTargetError(f"{where}: {what}")
 
-    arch = draft_meta.get("general.architecture", ARCH)
-    mine = cfg.to_metadata()
-    for key in SIZE_KEYS:
-        theirs, ours = draft_meta.get(f"{arch}.{key}"), mine.get(f"{ARCH}.{key}")
-        if theirs is not None and ours is not None and theirs != ours:
-            refuse(f"its {arch}.{key} is {theirs}, the model's {ARCH}.{key} is {ours}")
+    other_size = size_difference(draft_meta, cfg)
+    if other_size is not None:
+        refuse(other_size)
 
     draft_version = _draft_version(draft_meta, kind)
     if kind == MTP:

@@ -1,257 +1,187 @@
-"""The DSpark draft module of DeepSeek-V4-Flash-0731: its config, its tensor names in the two
-GGUF layouts that carry it, its weights, and llama.cpp's `dflash` file (docs/mtp.md, "DSpark").
+"""DeepSeek-V4-Flash-0731's DSpark draft as files describe it: its settings (DSparkConfig, read
+from config.json or from any of the GGUF layouts that carry it), the stages as a config, and its
+tensors' names in the three layouts (one table) with their NumPy shapes. The table and the
+layouts: docs/mtp.md "Files and names".
 
-DSpark is `n_stages` (3) V4 blocks of compress ratio 0 (sliding window only) stored under the
-official checkpoint's `mtp.0` .. `mtp.2`; stage 0 also has `main_proj` / `main_norm` (the target's
-hidden states in), the last stage `norm`, `hc_head_*`, the Markov head and the confidence head.
-Inside ds4ref every tensor has antirez's name (his DSpark support file): `mtp.{s}.<GGUF layer
-suffix>` for the blocks, and
-
-    mtp.0.main_proj.weight                 (d, T*d)     T = len(target_layers)
-    mtp.0.main_norm.weight                 (d,)
-    mtp.{L}.norm.weight                    (d,)         L = n_stages - 1
-    mtp.{L}.hc_head_{fn,base,scale}.weight (hc, hc*d) / (hc,) / (1,)
-    mtp.{L}.markov_head.markov_w1.weight   (vocab, r)   an embedding table
-    mtp.{L}.markov_head.markov_w2.weight   (vocab, r)   a projection r -> vocab
-    mtp.{L}.confidence_head.proj.weight    (1, d + r)
-
-The layouts a file may carry it in:
-
-* llama.cpp's (`convert_hf_to_gguf.py --dspark --target-model-dir`, class DeepseekV4DSparkModel):
-  `general.architecture = dflash`, the blocks as `blk.{s}.<suffix>`, main_proj / main_norm as
-  `fc` / `enc.output_norm`, the last stage's norm and hc head at the root (`output_norm`,
-  `output_hc_*`), `markov_w1`, `markov_w2`, `conf_proj`; keys `dflash.block_size`,
-  `dflash.target_layers` (official ids + 1: llama.cpp taps a layer's input), and the noise token
-  as `tokenizer.ggml.mask_token_id`; no embedding or output matrix (the target's are shared).
-* antirez's (`deepseek4-quantize --dspark-support`): `general.architecture = deepseek4-dspark`,
-  ds4ref's names, keys `dspark.block_size`, `dspark.markov_rank`, `dspark.noise_token_id`,
-  `dspark.target_layer_ids` (official ids), `dspark.stage_count`, `dspark.n_layers`.
+Names inside ds4ref are antirez/ds4's: a stage's block tensors are `mtp.S.<layer suffix>` (the
+suffixes of gguf.tensors: `mtp.1.attn_q_a.weight`, `mtp.2.exp_probs_b.bias`, ...), the draft's own
+are `mtp.0.main_proj.weight`, `mtp.0.main_norm.weight` and, on the last stage L,
+`mtp.L.{norm,hc_head_fn,hc_head_base,hc_head_scale}.weight`,
+`mtp.L.markov_head.markov_w{1,2}.weight`, `mtp.L.confidence_head.proj.weight`. The official
+checkpoint's differ only in the block's (convert.hf.LAYER_NAMES) and the hc head's (no
+`.weight`); llama.cpp's dflash file names the stages `blk.S.` and the own tensors apart (OWN).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
-
 from .config import ARCH, DS4Config
-from .file import MTPFile, write_tensor_file
-from .mtp import _check_types, mtp_config
-from .quant_codes import QUANT_TYPES
 from .tensors import layer_tensor_shapes
-from .weights import Weights, WeightsError
+from .version import DSPARK_STAGES, ORIGINAL
+from .weights import WeightsError
 
-LLAMA_ARCH = "dflash"
-ANTIREZ_ARCH = "deepseek4-dspark"
-MASK_KEY = "tokenizer.ggml.mask_token_id"
-# the extra tensors, by their suffix after `mtp.{s}.`: stage 0's, and the last stage's
-FIRST = ("main_proj.weight", "main_norm.weight")
-LAST = ("norm.weight", "hc_head_fn.weight", "hc_head_base.weight", "hc_head_scale.weight",
-        "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight")
-# llama.cpp's names of the extra tensors (root names, no `blk.`)
-LLAMA_EXTRA = {"main_proj.weight": "fc.weight", "main_norm.weight": "enc.output_norm.weight",
-               "norm.weight": "output_norm.weight", "hc_head_fn.weight": "output_hc_fn.weight",
-               "hc_head_base.weight": "output_hc_base.weight", "hc_head_scale.weight": "output_hc_scale.weight",
-               "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
-               "confidence_head.proj.weight": "conf_proj.weight"}
+PREFIX = "mtp."
+# general.architecture of llama.cpp's dflash file and of antirez/ds4's DSpark support file
+DFLASH_ARCH, SUPPORT_ARCH = "dflash", "deepseek4-dspark"
+LAYOUTS = {DFLASH_ARCH: "llama.cpp's dflash file", SUPPORT_ARCH: "antirez/ds4's DSpark support file"}
+DSPARK_ARCHS = tuple(LAYOUTS)
+# the DSpark keys of a checkpoint's config.json (0731's: 5, 128799, 256, [40, 41, 42])
+HF_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank", "dspark_target_layer_ids")
+# llama.cpp's dflash keys; target_layers holds official id + 1 (its converter adds one)
+DFLASH_BLOCK_SIZE, DFLASH_TARGET_LAYERS = f"{DFLASH_ARCH}.block_size", f"{DFLASH_ARCH}.target_layers"
+MASK_TOKEN_KEY = "tokenizer.ggml.mask_token_id"
+# antirez/ds4's support file (deepseek4-quantize --dspark-support): official ids, a u32 array
+SUPPORT_KEYS = {"block_size": "dspark.block_size", "noise_token_id": "dspark.noise_token_id",
+                "markov_rank": "dspark.markov_rank", "target_layers": "dspark.target_layer_ids",
+                "n_stages": "dspark.stage_count"}
+SUPPORT_LAYERS = "dspark.n_layers"  # written beside stage_count, the same number
+# its earlier --dspark-only file: the main model's deepseek4.* keys and these, one u32 key per
+# target layer (`.0`, `.1`, ...)
+INLINE = f"{ARCH}.dspark."
+INLINE_KEYS = {"block_size": INLINE + "block_size", "noise_token_id": INLINE + "noise_token_id",
+               "markov_rank": INLINE + "markov_rank", "n_stages": INLINE + "n_mtp_layers"}
+INLINE_TARGET_LAYER = INLINE + "target_layer_ids"
+
+# the draft's own tensors: (ours after `mtp.S.`, stage: 0 = first, -1 = last, llama.cpp's dflash name)
+OWN = (("main_proj.weight", 0, "fc.weight"),
+       ("main_norm.weight", 0, "enc.output_norm.weight"),
+       ("norm.weight", -1, "output_norm.weight"),
+       ("hc_head_fn.weight", -1, "output_hc_fn.weight"),
+       ("hc_head_base.weight", -1, "output_hc_base.weight"),
+       ("hc_head_scale.weight", -1, "output_hc_scale.weight"),
+       ("markov_head.markov_w1.weight", -1, "markov_w1.weight"),
+       ("markov_head.markov_w2.weight", -1, "markov_w2.weight"),
+       ("confidence_head.proj.weight", -1, "conf_proj.weight"))
+HC_HEAD = ("hc_head_fn.weight", "hc_head_base.weight", "hc_head_scale.weight")
 
 
 class DSparkError(WeightsError):
-    """A DSpark file that is missing a tensor, is of another model, or is neither layout."""
+    """A DSpark config or file that is incomplete or does not describe a draft ds4ref reads."""
 
 
 @dataclass(frozen=True)
 class DSparkConfig:
-    """The draft's shape. `stages` is the blocks as a DS4Config of n_stages ratio-0 layers (the
-    official DSparkAttention sets compress_ratio 0; layer ids >= n_layers: no hash routing)."""
-    block_size: int           # tokens a draft block holds: the anchor and block_size - 1 noise tokens
+    """The draft's own settings (the checkpoint's dspark_* keys). target_layers are the official
+    ids: stage 0 reads the target's hidden state after each of these (0-based) layers."""
+    block_size: int       # tokens a draft block holds: the anchor and block_size - 1 noise tokens
     noise_token_id: int
     markov_rank: int
-    target_layers: tuple[int, ...]  # the target's layers whose output streams it reads (official ids)
-    stages: DS4Config
+    target_layers: tuple[int, ...]
+    n_stages: int = DSPARK_STAGES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        for name in ("block_size", "markov_rank", "n_stages"):
+            if int(getattr(self, name)) < 1:
+                raise DSparkError(f"DSpark {name} is {getattr(self, name)}; it must be >= 1")
+        if not self.target_layers or min(self.target_layers) < 0:
+            raise DSparkError(f"DSpark target layers {list(self.target_layers)} must be one or more layer ids >= 0")
 
     @property
-    def n_stages(self) -> int:
-        return self.stages.n_layer
+    def last(self) -> int:
+        return self.n_stages - 1
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any], n_stages: int = DSPARK_STAGES) -> "DSparkConfig":
+        missing = [k for k in HF_KEYS if k not in d]
+        if missing:
+            raise DSparkError(f"config.json lacks the DSpark keys {missing}")
+        return cls(int(d["dspark_block_size"]), int(d["dspark_noise_token_id"]), int(d["dspark_markov_rank"]),
+                   tuple(d["dspark_target_layer_ids"]), n_stages)
+
+    def to_hf(self) -> dict:
+        return {"dspark_block_size": self.block_size, "dspark_noise_token_id": self.noise_token_id,
+                "dspark_markov_rank": self.markov_rank, "dspark_target_layer_ids": list(self.target_layers)}
+
+    def dflash_metadata(self) -> dict:
+        """The keys llama.cpp's converter adds for the draft (beside the model's sizes)."""
+        return {DFLASH_BLOCK_SIZE: self.block_size, DFLASH_TARGET_LAYERS: [i + 1 for i in self.target_layers],
+                MASK_TOKEN_KEY: self.noise_token_id}
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> "DSparkConfig":
+        """From a draft file's metadata: llama.cpp's dflash file (its Markov rank from `shapes`,
+        by the dflash names), antirez/ds4's support file, or its earlier in-model keys."""
+        arch = meta.get("general.architecture")
+        try:
+            if arch == DFLASH_ARCH:
+                w1 = (shapes or {}).get("markov_w1.weight")
+                if w1 is None:
+                    raise DSparkError("a dflash file without markov_w1.weight is a DFlash draft, not DSpark")
+                return cls(int(meta[DFLASH_BLOCK_SIZE]), int(meta[MASK_TOKEN_KEY]), int(w1[-1]),
+                           tuple(int(i) - 1 for i in meta[DFLASH_TARGET_LAYERS]),
+                           int(meta[f"{DFLASH_ARCH}.block_count"]))
+            if arch == SUPPORT_ARCH:
+                k = SUPPORT_KEYS
+                if int(meta.get(SUPPORT_LAYERS, meta[k["n_stages"]])) != int(meta[k["n_stages"]]):
+                    raise DSparkError(f"{SUPPORT_LAYERS} = {meta[SUPPORT_LAYERS]} and {k['n_stages']} = "
+                                      f"{meta[k['n_stages']]} disagree")
+                return cls(int(meta[k["block_size"]]), int(meta[k["noise_token_id"]]), int(meta[k["markov_rank"]]),
+                           tuple(meta[k["target_layers"]]), int(meta[k["n_stages"]]))
+            k = INLINE_KEYS
+            targets = sorted((int(key.rsplit(".", 1)[1]), int(v)) for key, v in meta.items()
+                             if key.startswith(INLINE_TARGET_LAYER + "."))
+            return cls(int(meta[k["block_size"]]), int(meta[k["noise_token_id"]]), int(meta[k["markov_rank"]]),
+                       tuple(v for _, v in targets), int(meta[k["n_stages"]]))
+        except KeyError as exc:
+            raise DSparkError(f"DSpark metadata key {exc.args[0]!r} is missing") from None
 
 
-def stage_config(cfg: DS4Config, n_stages: int, clamp: float | None = None) -> DS4Config:
-    """The stages as n_stages ratio-0 layers of the target's sizes, learned routing, the SwiGLU
-    clamp of the MTP block (the global swiglu_limit)."""
-    one = mtp_config(cfg, 0, clamp)
-    return dataclasses.replace(one, n_layer=n_stages, compress_ratios=(0,) * n_stages,
-                               swiglu_clamp=one.swiglu_clamp * n_stages)
+def stage_config(cfg: DS4Config, dcfg: DSparkConfig, clamp: float | None = None) -> DS4Config:
+    """The draft's stages as a config of n_stages layers: the target's sizes, the 128-token
+    sliding window only (ratio 0: the official DSparkAttention), routed by learned scores (no
+    hash layers), the SwiGLU clamp `clamp` (default the target's last layer's, swiglu_limit)."""
+    n = dcfg.n_stages
+    clamp = cfg.swiglu_clamp[-1] if clamp is None else float(clamp)
+    return dataclasses.replace(cfg, n_layer=n, compress_ratios=(0,) * n, swiglu_clamp=(clamp,) * n,
+                               n_hash_layers=0, version=ORIGINAL, extra={})
 
 
-def dspark_config(cfg: DS4Config, block_size: int, noise_token_id: int, markov_rank: int,
-                  target_layers, n_stages: int, clamp: float | None = None, where: str = "DSpark") -> DSparkConfig:
-    target_layers = tuple(int(t) for t in target_layers)
-    checks = [
-        (block_size >= 1, f"block size {block_size} must be >= 1"),
-        (0 <= noise_token_id < cfg.vocab_size, f"noise token {noise_token_id} is not in the vocab 0..{cfg.vocab_size - 1}"),
-        (markov_rank >= 1, f"Markov rank {markov_rank} must be >= 1"),
-        (n_stages >= 1, f"{n_stages} stages"),
-        (len(target_layers) >= 1 and all(0 <= t < cfg.n_layer for t in target_layers),
-         f"target layers {list(target_layers)} are not layers of a {cfg.n_layer}-layer model"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise DSparkError(f"{where}: {msg}")
-    return DSparkConfig(int(block_size), int(noise_token_id), int(markov_rank), target_layers,
-                        stage_config(cfg, n_stages, clamp))
+def own_name(suffix: str, stage: int, dcfg: DSparkConfig) -> str:
+    return f"{PREFIX}{stage % dcfg.n_stages}.{suffix}"
 
 
-def dspark_tensor_shapes(dc: DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """ds4ref name -> NumPy shape of every DSpark tensor."""
-    sc = dc.stages
-    d, hc, r, last = sc.n_embd, sc.hc_mult, dc.markov_rank, dc.n_stages - 1
-    out = {}
-    for s in range(dc.n_stages):
-        out.update({f"mtp.{s}.{k}": v for k, v in layer_tensor_shapes(sc, s).items()})
-    out.update({"mtp.0.main_proj.weight": (d, len(dc.target_layers) * d), "mtp.0.main_norm.weight": (d,),
-                f"mtp.{last}.norm.weight": (d,), f"mtp.{last}.hc_head_fn.weight": (hc, sc.hc_dim),
-                f"mtp.{last}.hc_head_base.weight": (hc,), f"mtp.{last}.hc_head_scale.weight": (1,),
-                f"mtp.{last}.markov_head.markov_w1.weight": (sc.vocab_size, r),
-                f"mtp.{last}.markov_head.markov_w2.weight": (sc.vocab_size, r),
-                f"mtp.{last}.confidence_head.proj.weight": (1, d + r)})
+def dspark_tensor_shapes(cfg: DS4Config, dcfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
+    """Our name -> NumPy shape of every draft tensor, stages in order, then the draft's own."""
+    scfg, d = stage_config(cfg, dcfg), cfg.n_embd
+    out = {f"{PREFIX}{s}.{suffix}": shape for s in range(dcfg.n_stages)
+           for suffix, shape in layer_tensor_shapes(scfg, s).items()}
+    own = {"main_proj.weight": (d, len(dcfg.target_layers) * d), "main_norm.weight": (d,), "norm.weight": (d,),
+           "hc_head_fn.weight": (cfg.hc_mult, cfg.hc_dim), "hc_head_base.weight": (cfg.hc_mult,),
+           "hc_head_scale.weight": (1,),
+           "markov_head.markov_w1.weight": (cfg.vocab_size, dcfg.markov_rank),
+           "markov_head.markov_w2.weight": (cfg.vocab_size, dcfg.markov_rank),
+           "confidence_head.proj.weight": (1, d + dcfg.markov_rank)}
+    out.update({own_name(suffix, stage, dcfg): own[suffix] for suffix, stage, _ in OWN})
     return out
 
 
-def llama_name(name: str) -> str:
-    """llama.cpp's name of a ds4ref DSpark tensor."""
-    _, stage, suffix = name.split(".", 2)
-    return LLAMA_EXTRA.get(suffix) if suffix in LLAMA_EXTRA else f"blk.{stage}.{suffix}"
+def dflash_name(name: str, dcfg: DSparkConfig) -> str:
+    """llama.cpp's dflash name of our tensor `name`."""
+    stage, suffix = _split(name)
+    for own, at, theirs in OWN:
+        if suffix == own and stage == at % dcfg.n_stages:
+            return theirs
+    return f"blk.{stage}.{suffix}"
 
 
-class DSparkWeights(Weights):
-    """The DSpark tensors under ds4ref's names, read from a source that holds them under other
-    names (`names`: ours -> the source's)."""
-
-    def __init__(self, dc: DSparkConfig, source, names: Mapping[str, str], dtype=np.float32,
-                 where: str = "DSpark") -> None:
-        super().__init__(dc.stages, dtype)
-        self.dspark = dc
-        self._shapes = dspark_tensor_shapes(dc)
-        self.source, self.names, self._where = source, dict(names), where
-
-    @property
-    def where(self) -> str:
-        return self._where
-
-    def _load(self, name: str) -> np.ndarray:
-        return self.source.read(self.names[name])
-
-    def _load_expert(self, name: str, e: int) -> np.ndarray:
-        return self.source.read_expert(self.names[name], e)
-
-    def _stored_blocks(self, name: str):
-        t = self.source.tensor(self.names[name])
-        return (t.qtype.name, t.data) if t.qtype.name in QUANT_TYPES else None
-
-    def stored_bytes(self) -> int:
-        """Bytes of the stored tensors (a memory plan's share)."""
-        return sum(self.source.tensor(n).n_bytes for n in self.names.values())
-
-    def with_dtype(self, dtype) -> "DSparkWeights":
-        return DSparkWeights(self.dspark, self.source, self.names, dtype, self._where)
+def official_suffix(suffix: str) -> str | None:
+    """The official checkpoint's name (after `mtp.S.`) of a draft-own tensor, else None (a block
+    tensor: the official per-layer name, convert.hf.LAYER_NAMES)."""
+    if suffix in HC_HEAD:
+        return suffix.removesuffix(".weight")
+    return suffix if any(suffix == own for own, _, _ in OWN) else None
 
 
-def _check_shapes(dc: DSparkConfig, found: Mapping[str, tuple], names: Mapping[str, str], where: str) -> None:
-    for ours, shape in dspark_tensor_shapes(dc).items():
-        theirs = names[ours]
-        if theirs not in found:
-            raise DSparkError(f"{where}: the DSpark module has no tensor {theirs!r} (expected NumPy shape {shape})")
-        if tuple(found[theirs]) != tuple(shape):
-            raise DSparkError(f"{where}: DSpark tensor {theirs!r} has NumPy shape {tuple(found[theirs])}, "
-                              f"expected {tuple(shape)} for this model")
+def name_table(cfg: DS4Config, dcfg: DSparkConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(ours = antirez/ds4's, llama.cpp's dflash name, NumPy shape) of every draft tensor."""
+    return [(n, dflash_name(n, dcfg), shape) for n, shape in dspark_tensor_shapes(cfg, dcfg).items()]
 
 
-def _check_sizes(meta: Mapping[str, Any], arch: str, cfg: DS4Config, where: str) -> None:
-    for key in ("embedding_length", "attention.head_count", "attention.key_length", "expert_count"):
-        mine = cfg.to_metadata().get(f"{ARCH}.{key}")
-        theirs = meta.get(f"{arch}.{key}")
-        if theirs is not None and mine is not None and theirs != mine:
-            raise DSparkError(f"{where}: {arch}.{key} is {theirs} but the model's is {mine}: "
-                              f"this DSpark file belongs to another model")
-
-
-def _need(meta: Mapping[str, Any], key: str, where: str):
-    if key not in meta:
-        raise DSparkError(f"{where}: missing metadata key {key!r}")
-    return meta[key]
-
-
-def load_dspark(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> DSparkWeights:
-    """The DSpark module of a separate GGUF for a target model of config `cfg`: llama.cpp's
-    `dflash` file or antirez's `deepseek4-dspark` file."""
-    f = MTPFile(path)
-    meta, where = f.metadata, f.path
-    shapes = {n: t.shape for n, t in f.tensors.items()}
-    arch = meta.get("general.architecture")
-    if arch == LLAMA_ARCH:
-        n_stages = int(_need(meta, f"{LLAMA_ARCH}.block_count", where))
-        w1 = shapes.get("markov_w1.weight")
-        if w1 is None:
-            raise DSparkError(f"{where}: a dflash file without markov_w1.weight is DFlash, not DSpark")
-        ratios = meta.get(f"{LLAMA_ARCH}.attention.compress_ratios", [0] * n_stages)
-        if any(int(r) != 0 for r in ratios):
-            raise DSparkError(f"{where}: DSpark stages have compress ratio 0, the file says {list(ratios)}")
-        clamps = meta.get(f"{LLAMA_ARCH}.swiglu_clamp_exp", [])
-        dc = dspark_config(cfg, int(_need(meta, f"{LLAMA_ARCH}.block_size", where)),
-                           int(_need(meta, MASK_KEY, where)), int(w1[1]),
-                           [int(t) - 1 for t in _need(meta, f"{LLAMA_ARCH}.target_layers", where)], n_stages,
-                           clamps[0] if len(clamps) else None, where)
-        names = {ours: llama_name(ours) for ours in dspark_tensor_shapes(dc)}
-    elif arch == ANTIREZ_ARCH:
-        dc = dspark_config(cfg, int(_need(meta, "dspark.block_size", where)),
-                           int(_need(meta, "dspark.noise_token_id", where)),
-                           int(_need(meta, "dspark.markov_rank", where)),
-                           _need(meta, "dspark.target_layer_ids", where),
-                           int(_need(meta, "dspark.stage_count", where)), None, where)
-        names = {ours: ours for ours in dspark_tensor_shapes(dc)}
-    else:
-        raise DSparkError(f"{where}: not a DSpark GGUF: general.architecture is {arch!r}, expected "
-                          f"{LLAMA_ARCH!r} (llama.cpp's) or {ANTIREZ_ARCH!r} (antirez's)")
-    _check_sizes(meta, arch, cfg, where)
-    _check_shapes(dc, shapes, names, where)
-    _check_types(f, names, where)
-    return DSparkWeights(dc, f, names, dtype, where)
-
-
-# ---------------------------------------------------------------------------
-# writing llama.cpp's dflash file
-# ---------------------------------------------------------------------------
-def dflash_metadata(cfg: DS4Config, dc: DSparkConfig) -> dict:
-    """llama.cpp's keys for the draft: the target's sizes under `dflash.`, the stages as its
-    blocks (all ratio 0, no hash layers), the block size, the taps (official ids + 1) and the
-    noise token as the mask token."""
-    meta = {k.replace(f"{ARCH}.", f"{LLAMA_ARCH}.", 1): v for k, v in dc.stages.to_metadata().items()}
-    meta["general.architecture"] = LLAMA_ARCH
-    meta.update({f"{LLAMA_ARCH}.block_size": dc.block_size,
-                 f"{LLAMA_ARCH}.target_layers": [t + 1 for t in dc.target_layers],
-                 MASK_KEY: dc.noise_token_id})
-    return meta
-
-
-def write_dflash_gguf(path: str | os.PathLike, cfg: DS4Config, dc: DSparkConfig, tensors: Mapping[str, Any],
-                      tokenizer_meta: Mapping[str, Any] | None = None, dtypes: Mapping[str, str] | None = None,
-                      default_dtype: str = "f32") -> None:
-    """Write the DSpark module as llama.cpp's dflash file: `tensors` by ds4ref's names in NumPy
-    shape (dspark_tensor_shapes), `dtypes` by the same names."""
-    want = dspark_tensor_shapes(dc)
-    for name, shape in want.items():
-        if name not in tensors:
-            raise DSparkError(f"write_dflash_gguf: missing tensor {name!r} (expected NumPy shape {shape})")
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise DSparkError(f"write_dflash_gguf: tensor {name!r} has NumPy shape {tuple(tensors[name].shape)}, "
-                              f"expected {tuple(shape)}")
-    extra = sorted(set(tensors) - set(want))
-    if extra:
-        raise DSparkError(f"write_dflash_gguf: tensors that are not the DSpark module's: {extra}")
-    meta = dict(tokenizer_meta or {})
-    meta.update(dflash_metadata(cfg, dc))
-    out = {llama_name(n): tensors[n] for n in want}
-    stored = {llama_name(n): t for n, t in (dtypes or {}).items()}
-    write_tensor_file(path, meta, out, stored, default_dtype, arch=LLAMA_ARCH)
+def _split(name: str) -> tuple[int, str]:
+    if not name.startswith(PREFIX):
+        raise DSparkError(f"{name!r} is not a DSpark tensor name (mtp.S.*)")
+    stage, _, suffix = name[len(PREFIX):].partition(".")
+    return int(stage), suffix

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
-from .dflash_names import DFLASH_ARCH
+from .dspark import DFLASH_ARCH, LAYOUTS
 from .finite import non_finite
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import has_in_file_mtp_block, is_int_tensor, tensor_shapes
@@ -348,10 +348,24 @@ class GGUFTensorFile:
 
 
 class MTPFile(GGUFTensorFile):
-    """A separate MTP GGUF (llama.cpp's MTP file or antirez's), checked against a model by gguf.mtp."""
+    """A draft module's own GGUF: an MTP file (llama.cpp's or antirez's, read by gguf.mtp) or a
+    DSpark draft (gguf.dspark_file), checked against its model by gguf.draft_target."""
 
     def __repr__(self) -> str:
         return f"MTPFile({self.path!r}, {len(self.tensors)} tensors)"
+
+
+def check_float_types(model_file, names: Mapping[str, str], where: str, what: str,
+                      error: type[ValueError]) -> None:
+    """Raise `error` for a `what` draft tensor (`names`: ours -> the file's) stored as a type that
+    is not a float type ds4ref dequantises."""
+    for theirs in names.values():
+        t = model_file.tensors.get(theirs)
+        if t is None:
+            continue
+        if t.qtype in _INT_TYPES or not _can_dequantise(t.qtype):
+            raise error(f"{where}: {what} tensor {theirs!r} is stored as {t.qtype.name}, which is not a "
+                        f"float type ds4ref can dequantise")
 
 
 class GGUFModelFile(GGUFTensorFile):
@@ -468,9 +482,10 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
 
 
 def _config_from(meta: dict, path: str) -> DS4Config:
-    if meta.get("general.architecture") == DFLASH_ARCH:
-        raise GGUFError(f"{path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's, llama.cpp's dflash layout), "
-                        f"not a model: it drafts beside its model file")
+    layout = LAYOUTS.get(meta.get("general.architecture"))
+    if layout is not None:
+        raise GGUFError(f"{path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's, {layout}), not a model: "
+                        f"it drafts beside its model file")
     try:
         config = DS4Config.from_metadata(meta)
         check_tokenizer(meta, config.vocab_size)
@@ -583,7 +598,7 @@ def write_tensor_file(path: str | os.PathLike, meta: Mapping[str, Any], tensors:
                       dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32", arch: str = ARCH) -> None:
     """Write a GGUF of `meta` and `tensors` (a deepseek4 one unless `arch` says otherwise), in
     their order, checking neither against a config (write_gguf does for a model file, gguf.mtp
-    for an MTP file, gguf.dflash_file for a DSpark draft)."""
+    for an MTP file, gguf.dspark_file for a DSpark draft)."""
     dtypes = dict(dtypes or {})
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     try:

@@ -8,10 +8,12 @@ that activations stay O(1) through the layers and the logits are far from
 flat, which makes argmax comparisons between implementations meaningful.
 
     python -m ds4ref.gguf.tiny --out model.gguf [--mtp-out mtp.gguf] [--seed N] [--layers N]
-                               [--policy q2|q4|mxfp4]
+                               [--policy q2|q4|mxfp4] [--version 0731 --dspark-out draft.gguf]
 
 The packaged model and its MTP block are
-`--out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf`.
+`--out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf`. `--version 0731`
+writes the same weights as a DeepSeek-V4-Flash-0731 model, whose draft is a random DSpark draft
+(`--dspark-out`, llama.cpp's dflash file; docs/mtp.md "Files and names").
 
 `--policy` writes the published files' type policy (spec §2): routed experts as
 IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
@@ -32,7 +34,7 @@ from ..console import HelpFormatter
 import numpy as np
 
 from .config import DS4Config
-from .dflash_names import DSparkConfig
+from .dspark import DSparkConfig, dspark_tensor_shapes, stage_config
 from .tensors import tensor_shapes
 from .version import ORIGINAL, V0731, VERSIONS
 
@@ -318,12 +320,15 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
     `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (a path,
     not with a policy) writes a random MTP block there as llama.cpp's MTP file (gguf.mtp),
     for ds4ref.load(path, mtp=...): the model file itself never carries one. A 0731 config
-    (tiny_0731_config) takes `dspark` instead: a random DSpark draft (tiny_dspark) written
-    there as llama.cpp's dflash file (gguf.dflash_file)."""
+    (tiny_0731_config) takes `dspark` instead: a random DSpark draft (tiny_dspark, random_dspark)
+    written there as llama.cpp's dflash file (gguf.dspark_file), for ds4ref.load(path, dspark=...)."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
     extra = {"ds4ref.tiny_seed": int(seed)}
+    version = (config or tiny_config()).version
+    if (mtp is not None and version == V0731) or (dspark is not None and version != V0731):
+        raise ValueError(f"a {version} model's draft is {'a DSpark draft' if version == V0731 else 'an MTP block'}")
     if policy is not None:
         if mtp is not None:
             raise ValueError("the policy files carry no MTP block: give no mtp path with a policy")
@@ -335,10 +340,8 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
     tokenizer = tiny_tokenizer_meta(config.vocab_size)
     write_gguf(path, config, tensors, tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
-    if (mtp is not None and config.version == V0731) or (dspark is not None and config.version != V0731):
-        raise ValueError(f"a {config.version} model's draft is {'a DSpark draft' if config.version == V0731 else 'an MTP block'}")
     if dspark is not None:
-        from .dflash_file import write_dflash_gguf
+        from .dspark_file import write_dflash_gguf
         from .draft_target import fingerprint
         dcfg = tiny_dspark(config)
         draft, draft_dtypes = random_dspark(config, dcfg, seed)
@@ -377,28 +380,34 @@ DSPARK_SEED_OFFSET = 2 << 20  # the DSpark draft's generators come after the MTP
 
 def tiny_dspark(config: DS4Config) -> DSparkConfig:
     """The tiny model's DSpark settings, 0731's in miniature: a block of 5, the last three
-    layers' hidden states, a rank-32 Markov head, the last token id as the noise token."""
-    from .dflash_names import DSparkConfig
+    layers' hidden states (0731 taps 40, 41, 42 of 43), a rank-32 Markov head (256 in 0731; 32
+    is one Q8_0 block), the last token id as the noise token."""
     n = config.n_layer
     return DSparkConfig(block_size=5, noise_token_id=config.vocab_size - 1, markov_rank=32,
                         target_layers=tuple(range(max(0, n - 3), n)))
 
 
+# the draft's own stored types (the stages' follow the tiny layers'; norms and the rest f32)
+_DSPARK_DTYPES = {"markov_head.markov_w1.weight": "f16", "markov_head.markov_w2.weight": "q8_0",
+                  "main_proj.weight": "q8_0", "hc_head_fn.weight": "f16"}
+
+
 def random_dspark(config: DS4Config, dcfg: DSparkConfig, seed: int = 0) -> tuple[dict, dict[str, str]]:
     """(tensors by their `mtp.S.*` names, their stored types) of a random DSpark draft for
-    `config`, drawn like the main tensors from generators of their own (stages as the tiny
-    layers are stored; the draft's own matrices f16, its norms and hc scalars f32)."""
-    from .dflash_names import PREFIX, dspark_tensor_shapes, stage_config
-    scfg = stage_config(config)
+    `config`, drawn like the main tensors from generators of their own."""
+    scfg = stage_config(config, dcfg)
     tensors, dtypes = {}, {}
     for i, (name, shape) in enumerate(dspark_tensor_shapes(config, dcfg).items()):
         rng = np.random.default_rng([seed, DSPARK_SEED_OFFSET + i])
-        suffix = name[len(PREFIX):].split(".", 1)[1]
-        tensors[name] = _random_tensor(rng, scfg, suffix, tuple(shape))
-        if suffix in _DTYPE_BY_SUFFIX:
-            dtypes[name] = _DTYPE_BY_SUFFIX[suffix]
-        elif len(shape) >= 2:
-            dtypes[name] = "f16"
+        suffix = name.split(".", 2)[2]  # after mtp.S.
+        if suffix == "markov_head.markov_w1.weight":  # an embedding table
+            tensors[name] = _normal(rng, shape)
+        elif suffix == "markov_head.markov_w2.weight":  # RMS ~2, as the logits': it moves the argmax
+            tensors[name] = _linear(rng, shape, 2.0)
+        else:
+            tensors[name] = _random_tensor(rng, scfg, suffix, tuple(shape))
+        if suffix in _DTYPE_BY_SUFFIX or suffix in _DSPARK_DTYPES:
+            dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix) or _DSPARK_DTYPES[suffix]
     return tensors, dtypes
 
 

@@ -6,7 +6,7 @@
   (43 + 3 zeros), where the original's has one for its MTP block (43 + 1); llama.cpp's
   converter writes the array whole, so its 0731 files say so in
   `deepseek4.attention.compress_ratios`;
-* it has no NextN MTP head: `mtp.0..2` hold the DSpark draft (gguf.dflash_names);
+* it has no NextN MTP head: `mtp.0..2` hold the DSpark draft (gguf.dspark);
 * its chat template maps reasoning effort anew: `high` gives the text the original's `max`
   gave, and `max` a new one (serve.chat);
 * llama.cpp's converter names it after the checkpoint (`general.name`, e.g.

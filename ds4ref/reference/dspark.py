@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gguf.dspark import DSparkWeights
+from ..gguf.dspark_file import DSparkWeights
 from ..gguf.weights import WeightsError
 from . import ops
 from .layers import LayerWeights, attention_output, embed, ffn_block, hc, product_weight, project_qkv
@@ -46,14 +46,15 @@ class DraftBlock:
 
 class DSpark:
     """The draft over a target reference Model (shared embedding, output matrix, RoPE tables,
-    numerics) and its DSparkWeights (gguf.dspark)."""
+    numerics) and its DSparkWeights (gguf.dspark_file): `config` the draft's settings,
+    `stages` its blocks' config."""
 
     def __init__(self, model, weights: DSparkWeights) -> None:
         sc, cfg = weights.config, model.config
         if (sc.n_embd, sc.hc_mult, sc.vocab_size) != (cfg.n_embd, cfg.hc_mult, cfg.vocab_size):
             raise WeightsError(f"{weights.where}: DSpark of width {sc.n_embd} x {sc.hc_mult} streams, vocab "
                                f"{sc.vocab_size}, for a model of {cfg.n_embd} x {cfg.hc_mult}, vocab {cfg.vocab_size}")
-        self.model, self.config = model, weights.dspark
+        self.model, self.config, self.stages = model, weights.dspark, sc
         self.weights = weights if weights.dtype == model.dtype else weights.with_dtype(model.dtype)
 
     @property
@@ -62,7 +63,7 @@ class DSpark:
         return self.config.target_layers
 
     def new_state(self) -> DSparkState:
-        return DSparkState(self.config.stages, self.model.dtype)
+        return DSparkState(self.stages, self.model.dtype)
 
     def _stage(self, s: int) -> LayerWeights:
         return LayerWeights(self.weights, s, self.model.numerics, prefix=f"mtp.{s}.")
@@ -71,7 +72,7 @@ class DSpark:
         """Context rows: row i is the target's tapped hidden[i] (N, T*d) of positions[i], into
         states[i]; a sequence's rows consecutive from its state's position, in order."""
         positions = np.asarray(positions, np.int64)
-        width = len(self.taps) * self.config.stages.n_embd
+        width = len(self.taps) * self.stages.n_embd
         hidden = np.asarray(hidden)
         if hidden.shape != (len(states), width) or hidden.dtype != self.model.dtype:
             raise ValueError(f"hidden must be {self.model.dtype.__name__} of shape {(len(states), width)}, "
@@ -87,7 +88,7 @@ class DSpark:
         self._feed(states, hidden, positions)
 
     def _feed(self, states, hidden, positions) -> None:
-        sc, numerics = self.config.stages, self.model.numerics
+        sc, numerics = self.stages, self.model.numerics
         first = self._stage(0)
         main_x = ops.rmsnorm(ops.linear(hidden, first.matrix("main_proj.weight")), first["main_norm.weight"],
                              sc.rms_eps)
@@ -118,7 +119,7 @@ class DSpark:
         return self._draft(states, anchors)
 
     def _draft(self, states, anchors) -> DraftBlock:
-        dc, sc, numerics, model = self.config, self.config.stages, self.model.numerics, self.model
+        dc, sc, numerics, model = self.config, self.stages, self.model.numerics, self.model
         n, B = len(states), dc.block_size
         tokens = np.full((n, B), dc.noise_token_id, np.int64)
         tokens[:, 0] = anchors

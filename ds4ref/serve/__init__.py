@@ -104,12 +104,12 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
     has_mtp = mtp is not None or model_file.mtp_block is not None
     draft_config = None
     if dspark is not None:  # it drafts instead of the MTP block: its weights and a ring a stage a lane
-        from ..gguf.dspark import load_dspark
+        from ..gguf.dspark_file import load_dspark
         if backend == "hip":
             raise ValueError("--dspark: the hip backend does not run DSpark drafts yet (use --backend numpy)")
-        drafter = load_dspark(dspark, model_file.config)
+        drafter = load_dspark(dspark, model_file)
         weights += drafter.stored_bytes()
-        draft_config, has_mtp = drafter.dspark.stages, True
+        draft_config, has_mtp = drafter.config, True
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
