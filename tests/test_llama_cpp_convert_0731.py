@@ -21,6 +21,7 @@ from ds4ref.gguf.draft_target import check_draft_target
 from ds4ref.gguf.file import MTPFile, open_gguf
 from ds4ref.gguf.version import V0731, chat_version, version_signs
 from pypi_assets import LLAMA_CPP_SDIST, pypi_sdist_file, pypi_sdist_folder
+from test_llama_cpp_convert import CONVERT  # the vendored converter run twice: the model, then the draft
 
 IDS = [0, 5, 77, 300, 12, 9, 401, 33, 250, 18, 64, 100, 7, 222, 91, 3]
 TEMPLATE = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja"
@@ -30,21 +31,6 @@ TEMPLATE = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja"
 THEIRS_ONLY = {"general.basename", "general.quantization_version", "general.size_label", "general.type",
                "general.version", "deepseek4.embedding_length_out", "deepseek4.swiglu_clamp_shexp"}
 DIFFER = {"general.name", "general.file_type"}
-
-# Runs the vendored converter twice, as its users do: the model file, then --dspark's draft. The tiny
-# vocabulary's pre-tokeniser hash is not one llama.cpp knows, so it is named here (DeepSeek-V4's).
-CONVERT = """
-import sys
-source, checkpoint, model_out, draft_out = sys.argv[1:]
-sys.path.insert(0, source)
-import convert_hf_to_gguf
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "joyai-llm"
-for extra, out in (([], model_out), (["--dspark", "--target-model-dir", checkpoint], draft_out)):
-    sys.argv = ["convert_hf_to_gguf.py", *extra, "--outfile", out, checkpoint]
-    convert_hf_to_gguf.main()
-"""
-
 
 @pytest.fixture(scope="module")
 def conversions(tmp_path_factory):
@@ -66,7 +52,8 @@ def conversions(tmp_path_factory):
     ck, _ = checkpoint_0731(d / "DeepSeek-V4-Flash-0731-tiny")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp), str(ck), str(d / "llama.gguf"),
-                          str(d / "dflash-llama.gguf")], capture_output=True, text=True, env=env, timeout=600)
+                          str(d / "dflash-llama.gguf"), "--dspark", "--target-model-dir", str(ck)],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     convert(ck, d / "ours.gguf", dspark_out=d / "dflash-ours.gguf")
     return d, template.read_text(encoding="utf-8")
