@@ -82,8 +82,8 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
     if other_size is not None:
         refuse(other_size)
 
-    draft_version = _draft_version(draft_meta, kind)
     if kind == MTP:
+        draft_version = model_version(draft_meta)
         if cfg.version != ORIGINAL:
             refuse(f"the model is DeepSeek-V4-Flash-{cfg.version} ({'; '.join(version_signs(model_file.metadata))}), "
                    f"which has no NextN MTP head: its draft is the DSpark draft (a dflash GGUF)")
@@ -117,8 +117,3 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
         if copy is not None and fingerprint(draft_tensors.read(FINGERPRINT_TENSOR)) != ours:
             refuse(f"its copy of the model's {FINGERPRINT_TENSOR!r} holds other values than the model's")
 
-
-def _draft_version(meta: Mapping[str, Any], kind: str) -> str:
-    if kind == DSPARK:
-        return V0731
-    return model_version(meta) if meta else ORIGINAL
