@@ -18,7 +18,8 @@ class DS4Model:
     """What `ds4ref.load` returns: config, metadata, the reference math, backends."""
 
     def __init__(self, metadata: dict, weights, numerics: str = "official", backend: str = "numpy",
-                 path: str | None = None, notes: Sequence[str] = (), mtp_weights=None) -> None:
+                 path: str | None = None, notes: Sequence[str] = (), mtp_weights=None,
+                 dspark_weights=None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.metadata, self.path, self.backend_name = metadata, path, backend
@@ -32,6 +33,10 @@ class DS4Model:
             from .reference.mtp import MTP
             self.mtp = MTP(self.reference, mtp_weights)
             self.mtp_weights = self.mtp.weights
+        self.dspark = None  # the DSpark draft's reference (reference/dspark.py): speculation drafts with it
+        if dspark_weights is not None:
+            from .reference.dspark import DSpark
+            self.dspark = DSpark(self.reference, dspark_weights)
         self._device = None
         if backend == "hip":
             self._device = self.make_backend()  # fail at load, naming what is missing, not mid-request
@@ -64,8 +69,11 @@ class DS4Model:
         rows = PREFILL_ROWS if max_pass_rows is None else max_pass_rows
         if name == "numpy":
             from .reference.numpy_backend import NumpyBackend
-            return NumpyBackend(self.reference, rows, mtp=self.mtp)
+            return NumpyBackend(self.reference, rows, mtp=self.mtp, dspark=self.dspark)
         if name == "hip":
+            if self.dspark is not None:
+                raise ValueError("the hip backend does not run DSpark drafts yet: load the model without "
+                                 "dspark=..., or use the numpy backend (docs/mtp.md, DSpark)")
             from .hip.backend import HipBackend
             if self._device is not None:  # weights are on the device already: share them
                 return HipBackend(self.config, self.weights, self.numerics, self.tables,
@@ -90,18 +98,22 @@ class DS4Model:
 
 
 def load(path: str | os.PathLike | None = None, backend: str = "numpy", numerics: str = "official",
-         dtype=np.float32, mtp: str | os.PathLike | None = None) -> DS4Model:
+         dtype=np.float32, mtp: str | os.PathLike | None = None,
+         dspark: str | os.PathLike | None = None) -> DS4Model:
     """Open a deepseek4 GGUF (None = the embedded tiny model) as a DS4Model. Its MTP block
     comes from `mtp`, a separate MTP GGUF (llama.cpp's MTP file or antirez's), or from the
-    model file itself in ds4ref's former layout; the embedded model's ships beside it."""
+    model file itself in ds4ref's former layout; the embedded model's ships beside it.
+    `dspark`: a DSpark draft GGUF (llama.cpp's dflash file or antirez's DSpark support file);
+    speculative decoding then drafts with it (gguf.dspark_file, reference/dspark.py); it must
+    belong to this model (gguf.draft_target: a DeepSeek-V4-Flash-0731 model)."""
     from .gguf.file import open_gguf
     from .gguf.tiny import default_model_path
     path = str(path) if path is not None else str(default_model_path())
-    return from_file(open_gguf(path), backend, numerics, dtype, mtp)
+    return from_file(open_gguf(path), backend, numerics, dtype, mtp, dspark)
 
 
 def from_file(model_file, backend: str = "numpy", numerics: str = "official", dtype=np.float32,
-              mtp: str | os.PathLike | None = None) -> DS4Model:
+              mtp: str | os.PathLike | None = None, dspark: str | os.PathLike | None = None) -> DS4Model:
     """A DS4Model over an opened GGUFModelFile (the server opens it first to plan memory). Weights
     holding a NaN or an infinity are refused here, before any backend exists (gguf.finite)."""
     from .gguf.file import MTPFile
@@ -117,7 +129,13 @@ def from_file(model_file, backend: str = "numpy", numerics: str = "official", dt
         if model_file.mtp_block is not None:
             raise MTPError(f"{model_file.path} carries its own MTP block (block {model_file.mtp_block}); "
                            f"give no separate MTP file ({os.fspath(mtp)})")
-        mtp_weights = separate_mtp(mtp, model_file.config, dtype)
+        mtp_weights = separate_mtp(mtp, model_file.config, dtype, model_file)
         notes.append(f"MTP block from {os.fspath(mtp)}")
+    dspark_weights = None
+    if dspark is not None:
+        from .gguf.dspark_file import load_dspark
+        MTPFile(dspark).check_finite()
+        dspark_weights = load_dspark(dspark, model_file, dtype)
+        notes.append(f"DSpark draft from {os.fspath(dspark)}")
     return DS4Model(model_file.metadata, model_file.weights(dtype), numerics=numerics, backend=backend,
-                    path=model_file.path, notes=notes, mtp_weights=mtp_weights)
+                    path=model_file.path, notes=notes, mtp_weights=mtp_weights, dspark_weights=dspark_weights)

@@ -58,6 +58,16 @@ def tiny_weights(tiny_file):
 
 
 @pytest.fixture(scope="session")
+def tiny_0731(tmp_path_factory):
+    """(model, draft): the tiny DeepSeek-V4-Flash-0731 model and its DSpark draft (llama.cpp's
+    dflash file), written by the CLI as a user writes them (gguf.tiny --version 0731)."""
+    from ds4ref.gguf.tiny import main
+    d = tmp_path_factory.mktemp("tiny-0731")
+    main(["--version", "0731", "--out", str(d / "m.gguf"), "--dspark-out", str(d / "draft.gguf")])
+    return d / "m.gguf", d / "draft.gguf"
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_file):
     from ds4ref.gguf.tokenizer import Tokenizer
     return Tokenizer.from_gguf(tiny_file.metadata)

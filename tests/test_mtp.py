@@ -229,7 +229,7 @@ def test_errors(tmp_path, tiny):
     write_tiny(tmp_path / "plain.gguf")
     vals = _mtp_values(cfg)
     _separate_file(tmp_path / "missing.gguf", cfg, vals, drop=PREFIX + "hnorm.weight")
-    with pytest.raises(MTPError, match="no tensor 'mtp.0.hnorm.weight'"):
+    with pytest.raises(MTPError, match="missing MTP tensor 'mtp.0.hnorm.weight'"):
         ds4ref.load(tmp_path / "plain.gguf", mtp=tmp_path / "missing.gguf")
     bad = dict(vals)
     bad[PREFIX + "e_proj.weight"] = np.zeros((4, 4), np.float32)
@@ -270,7 +270,7 @@ def test_llama_cpp_mtp_file_errors(tmp_path, tiny):
         if t.name != "blk.6.nextn.hnorm.weight":
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    with pytest.raises(MTPError, match=r"no tensor 'blk\.6\.nextn\.hnorm\.weight'"):
+    with pytest.raises(MTPError, match=r"missing MTP tensor 'blk\.6\.nextn\.hnorm\.weight'"):
         ds4ref.load(mtp=tmp_path / "part.gguf")
     with pytest.raises(MTPError, match="e_proj .* and h_proj .* must have one type"):
         write_mtp_gguf(tmp_path / "x.gguf", cfg, tensors, shared, dtypes={PREFIX + "e_proj.weight": "q8_0"})
@@ -285,5 +285,5 @@ def test_incomplete_in_file_block_leaves_the_model_without_mtp(tmp_path, tiny):
     m = ds4ref.load(path)
     assert m.mtp is None and "MTP block not usable" in m.describe() and "nextn.hnorm.weight" in m.describe()
     assert m.score(IDS).tobytes() == tiny.score(IDS).tobytes()
-    with pytest.raises(MTPError, match=r"no tensor 'blk\.6\.nextn\.hnorm\.weight'"):
+    with pytest.raises(MTPError, match=r"missing MTP tensor 'blk\.6\.nextn\.hnorm\.weight'"):
         in_file_mtp_strict(open_gguf(path))

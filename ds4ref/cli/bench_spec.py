@@ -4,7 +4,9 @@ its acceptance, in process (no server).
 For each concurrency C: C greedy requests (ignore_eos) run first without speculation; their
 outputs are the true continuations. Then, per draft source, the same requests with K drafts a
 round: `oracle:RATE` replays the true continuation, each draft right with probability RATE
-(1 = always, 0 = never), `mtp` drafts with the model's MTP block. Every run's tokens must equal
+(1 = always, 0 = never), `mtp` drafts with the model's MTP block, `dspark` with the DSpark draft of
+--dspark FILE (then K <= its block size, and `mtp` is not benched in the same run: the backend
+drafts with one module). Every run's tokens must equal
 the plain run's (column `exact`). Timed: the decode phase only (from the pass after which no
 prompt is left to the last token), less the passes that captured a capacity bucket's CUDA graph
 (the first of each bucket after a run's configure: a one-time cost). Columns: measured
@@ -96,12 +98,15 @@ def synthetic(which: str):
     return SimpleNamespace(config=cfg, mtp=mtp, make_backend=lambda name=None: backend)
 
 
+DRAFT_MODULES = ("mtp", "dspark")
+
+
 def parse_draft(text: str):
-    if text == "mtp":
+    if text in DRAFT_MODULES:
         return text
     kind, _, rate = text.partition(":")
     if kind != "oracle" or not rate:
-        raise argparse.ArgumentTypeError(f"a draft source is oracle:RATE or mtp, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a draft source is oracle:RATE, mtp or dspark, got {text!r}")
     return float(rate)
 
 
@@ -110,10 +115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--speculative-tokens", type=int, required=True, metavar="K", help="drafts per round")
     p.add_argument("--draft", type=parse_draft, action="append", default=None,
-                   help="oracle:RATE or mtp; repeatable (default oracle:1, oracle:0.7, oracle:0.5, oracle:0, mtp)")
+                   help="oracle:RATE, mtp or dspark; repeatable (default oracle:1, oracle:0.7, oracle:0.5, "
+                        "oracle:0, and dspark with --dspark, else mtp when the model has an MTP block)")
     p.add_argument("--concurrency", default="1,4,16", help="e.g. 1,4,16")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
     p.add_argument("--mtp", default=None, help="separate MTP GGUF for --model")
+    p.add_argument("--dspark", default=None, metavar="FILE", help="DSpark draft GGUF for --model (numpy backend)")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
     p.add_argument("--synthetic", choices=("8layer", "full"), default=None,
                    help="hip/synthetic.py's random Flash-shaped model on the GPU (full: with a random MTP block)")
@@ -126,8 +133,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, backend = synthetic(args.synthetic), "hip"
     else:
         from ..model import load
-        model, backend = load(args.model, backend=args.backend, mtp=args.mtp), args.backend
-    drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + (["mtp"] if model.mtp is not None else [])
+        model, backend = load(args.model, backend=args.backend, mtp=args.mtp, dspark=args.dspark), args.backend
+    dspark = getattr(model, "dspark", None)
+    module = ["dspark"] if dspark is not None else ["mtp"] if model.mtp is not None else []
+    drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + module
+    if "dspark" in drafts and dspark is None:
+        p.error("--draft dspark needs a DSpark draft: give it with --dspark FILE")
+    if "dspark" in drafts and k > dspark.config.block_size:
+        p.error(f"--draft dspark proposes at most {dspark.config.block_size} tokens a round (its block size): "
+                f"--speculative-tokens {k} is more")
+    if "mtp" in drafts and dspark is not None:
+        p.error("--draft mtp: with --dspark the backend drafts with DSpark; bench the MTP block in a run "
+                "without --dspark")
     if "mtp" in drafts and model.mtp is None:
         p.error("--draft mtp needs a model with an MTP block: this one has none"
                 + (" (--synthetic full carries a random one, --synthetic 8layer does not)" if args.synthetic else ""))
@@ -144,13 +161,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append([str(C), "plain", "-", f"{base:.1f}", "1.00", str(base_passes), "-", "-", "-", "yes"])
         truths = {10_000 + i: t for i, t in enumerate(truth)}
         for d in drafts:
-            make = BackendDrafter if d == "mtp" else (lambda be, d=d: OracleDrafter(truths, d, V))
+            make = BackendDrafter if d in DRAFT_MODULES else (lambda be, d=d: OracleDrafter(truths, d, V))
             out, tps, passes, eng, timed = decode_run(model, backend, reqs(), C, k, make,
                                                       0.0 if args.no_auto_off else None)
             s = eng.scheduler.stats()
             acc = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0
             round_cost = base_passes / passes / (tps / base) if base and tps and passes else None
-            rows.append([str(C), "mtp" if d == "mtp" else f"oracle:{d:g}", f"{acc:.2f}", f"{tps:.1f}",
+            rows.append([str(C), d if d in DRAFT_MODULES else f"oracle:{d:g}", f"{acc:.2f}", f"{tps:.1f}",
                          f"{tps / base:.2f}" if base else "-", str(passes),
                          f"{round_cost:.2f}" if round_cost else "-",
                          f"{1000 * timed.seconds / max(1, timed.calls):.2f}", str(s["spec_off"]),

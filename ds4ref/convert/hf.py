@@ -32,6 +32,7 @@ import numpy as np
 
 from ..gguf.config import DS4Config
 from ..gguf.tensors import layer_tensor_shapes
+from ..gguf.version import DSPARK_STAGES, ORIGINAL, V0731
 
 
 class HFError(ValueError):
@@ -245,7 +246,18 @@ def config_from_hf(d: dict, name: str | None = None) -> DS4Config:
         bos_id=int(d.get("bos_token_id") or 0),
         eos_id=int(eos[0] if isinstance(eos, list) else (eos if eos is not None else 1)),
         name=name or "deepseek4",
+        version=hf_version(d, n_layer),
     )
+
+
+def hf_version(d: dict, n_layer: int) -> str:
+    """0731 when config.json carries the DSpark keys or a compress ratio per DSpark stage after the
+    layers' (gguf.version); otherwise the original."""
+    from ..gguf.dspark import HF_KEYS
+    ratios = d.get("compress_ratios")
+    if any(k in d for k in HF_KEYS) or (isinstance(ratios, list) and len(ratios) == n_layer + DSPARK_STAGES):
+        return V0731
+    return ORIGINAL
 
 
 def _check_hf_representable(cfg: DS4Config) -> None:
@@ -346,6 +358,35 @@ def to_checkpoint_tensors(cfg: DS4Config, tensors: Mapping[str, np.ndarray], nam
             for e in range(cfg.n_expert):
                 for s, arr in zip(EXPERT_TENSORS, (gate, up, down)):
                     put(f"{base}ffn.experts.{e}.{EXPERT_OFFICIAL[s]}.weight", arr[e])
+    return out
+
+
+def official_dspark_names(cfg: DS4Config, dcfg) -> dict[str, str]:
+    """Our name (`mtp.S.*`, gguf.dspark) -> the official checkpoint's, of every DSpark
+    tensor but the routed experts (one official tensor per expert: `mtp.S.ffn.experts.E.wN`)."""
+    from ..gguf.dspark import PREFIX, dspark_tensor_shapes, official_suffix
+    out = {}
+    for name in dspark_tensor_shapes(cfg, dcfg):
+        stage, suffix = name[len(PREFIX):].split(".", 1)
+        if suffix in EXPERT_OFFICIAL:
+            continue
+        own = official_suffix(suffix)
+        out[name] = f"{PREFIX}{stage}.{own if own is not None else LAYER_NAMES[suffix][0]}"
+    return out
+
+
+def official_dspark_tensors(cfg: DS4Config, dcfg, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The draft's tensors (ours) by the official checkpoint's names, experts one per expert."""
+    from ..gguf.dspark import PREFIX
+    names = official_dspark_names(cfg, dcfg)
+    out = {}
+    for name, arr in tensors.items():
+        if name in names:
+            out[names[name]] = np.ascontiguousarray(arr)
+            continue
+        stage, suffix = name[len(PREFIX):].split(".", 1)
+        for e in range(cfg.n_expert):
+            out[f"{PREFIX}{stage}.ffn.experts.{e}.{EXPERT_OFFICIAL[suffix]}.weight"] = np.ascontiguousarray(arr[e])
     return out
 
 

@@ -33,6 +33,7 @@ from .fp8 import QuantError, decode_scales, dequantise_fp8, fp4_to_mxfp4, fp4_va
 from .hf import (EXPERT_OFFICIAL, EXPERT_TENSORS, GLOBAL_ALIASES, GLOBAL_NAMES, HF_DOWN, HF_GATE_UP,
                  LAYER_ALIASES, LAYER_NAMES, HFError, config_from_hf, strip_model_prefix)
 from ..gguf.tensors import is_int_tensor, layer_tensor_shapes, tensor_shapes
+from ..gguf.version import ORIGINAL
 
 
 class ConvertError(ValueError):
@@ -273,14 +274,19 @@ def pair_scales(sources: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     return out
 
 
-def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor], mtp_own: dict[str, str] | None = None) -> _Plan:
+def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor], mtp_own: dict[str, str] | None = None,
+                 draft_layers: dict[str, int] | None = None) -> _Plan:
     """Assign every source tensor to its GGUF tensor; raise on quantised/unexpected/missing.
-    mtp_own: the MTP's own tensors (source key -> `mtp.0.*` name) when cfg counts the MTP block
-    as its last layer (with_mtp); otherwise `mtp.*` tensors are ignored."""
+    mtp_own: the draft's own tensors (source key -> our name) when cfg counts the draft's blocks
+    as its last layers (with_mtp, with_dspark); draft_layers: the source prefix of each such
+    block -> its layer (default: the MTP block, `mtp.0.`, as the last layer). Without mtp_own,
+    `mtp.*` tensors are ignored."""
     sources = pair_scales(sources)
     _refuse_quantised(sources)
     glob, layer = _lookup_tables()
     glob.update(mtp_own or {})
+    if draft_layers is None:
+        draft_layers = {MTP_SRC: cfg.n_layer - 1}
     plan = _Plan()
     unexpected: list[str] = []
 
@@ -294,8 +300,9 @@ def plan_tensors(cfg: DS4Config, sources: dict[str, SourceTensor], mtp_own: dict
         if key.startswith("mtp.") and mtp_own is None:
             plan.ignored.append(name)
             continue
-        if key.startswith(MTP_SRC) and key not in glob:  # the MTP block's layer tensors: the last block
-            key = f"layers.{cfg.n_layer - 1}.{key[len(MTP_SRC):]}"
+        prefix = next((p for p in draft_layers if key.startswith(p)), None)
+        if prefix is not None and key not in glob:  # a draft block's layer tensors: its layer after the model's
+            key = f"layers.{draft_layers[prefix]}.{key[len(prefix):]}"
         if key in glob:
             assign(glob[key], t)
             continue
@@ -492,10 +499,12 @@ def stored_dtypes(cfg: DS4Config, dtype: str) -> dict[str, str]:
             if not is_int_tensor(name)}
 
 
-def convert(hf_dir, out, dtype: str = "f32", mtp_out=None) -> DS4Config:
+def convert(hf_dir, out, dtype: str = "f32", mtp_out=None, dspark_out=None) -> DS4Config:
     """Convert checkpoint directory `hf_dir` to GGUF file `out`; returns the config. `mtp_out`:
-    where to write the checkpoint's MTP block (`mtp.0.*`) as llama.cpp's MTP file; without it
-    the block is left out, as llama.cpp's converter leaves it out without --mtp."""
+    where to write the checkpoint's MTP block (`mtp.0.*`) as llama.cpp's MTP file; `dspark_out`:
+    where to write a 0731 checkpoint's DSpark draft (`mtp.0..2`) as llama.cpp's dflash file.
+    Without them the draft is left out, as llama.cpp's converter leaves it out without --mtp
+    or --dspark; the model file is the same bytes either way."""
     from ..gguf.file import write_gguf
     from ..gguf.mtp import SHARED, write_mtp_gguf
 
@@ -505,6 +514,13 @@ def convert(hf_dir, out, dtype: str = "f32", mtp_out=None) -> DS4Config:
     extra = {"general.file_type": _FILE_TYPE[dtype], "deepseek4.rope.scaling.type": "yarn"}
     dtypes = stored_dtypes(cfg, dtype)
     tokenizer = tokenizer_meta(hf_dir, cfg)
+    if has_dspark(sources) and mtp_out is not None:
+        raise ConvertError(f"{hf_dir}: its mtp.* tensors are a DSpark draft (DeepSeek-V4-Flash-0731), not an MTP "
+                           f"block: --dspark-out FILE writes it")
+    if dspark_out is not None:
+        if not has_dspark(sources):
+            raise ConvertError(f"{hf_dir}: no DSpark draft ({DSPARK_MARK}): --dspark-out needs a 0731 checkpoint")
+        return _convert_dspark(hf_dir, cfg, sources, out, dspark_out, dtype, dtypes, tokenizer, extra)
     if mtp_out is None:
         tensors = gguf_tensors(cfg, plan_tensors(cfg, sources), _Opener())
         write_gguf(out, cfg, _with_progress(tensors), tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
@@ -522,10 +538,66 @@ def convert(hf_dir, out, dtype: str = "f32", mtp_out=None) -> DS4Config:
 
 
 MTP_SRC = "mtp.0."  # the official checkpoint's MTP block (num_nextn_predict_layers = 1)
+DSPARK_MARK = "mtp.0.main_proj.weight"  # what 0731's DSpark draft has and an MTP block has not
 
 
 def has_mtp(sources: dict[str, SourceTensor]) -> bool:
-    return any(strip_model_prefix(n).startswith(MTP_SRC) for n in sources)
+    return any(strip_model_prefix(n).startswith(MTP_SRC) for n in sources) and not has_dspark(sources)
+
+
+def has_dspark(sources: dict[str, SourceTensor]) -> bool:
+    return any(strip_model_prefix(n) == DSPARK_MARK for n in sources)
+
+
+def _convert_dspark(hf_dir: Path, cfg: DS4Config, sources, out, dspark_out, dtype: str, dtypes, tokenizer,
+                    extra) -> DS4Config:
+    """The model file and the DSpark draft's dflash file, the draft planned as three more
+    layers after the model's (so each stage is checked like a layer)."""
+    from ..gguf.dspark import DSparkConfig, DSparkError, dspark_tensor_shapes
+    from ..gguf.dspark_file import write_dflash_gguf
+    from ..gguf.draft_target import fingerprint
+    from ..gguf.file import write_gguf
+    try:
+        dcfg = DSparkConfig.from_hf(json.loads((hf_dir / "config.json").read_text()))
+    except DSparkError as exc:
+        raise ConvertError(f"{hf_dir / 'config.json'}: {exc}") from None
+    ext, own, layers = with_dspark(cfg, dcfg)
+    shapes = dspark_tensor_shapes(cfg, dcfg)
+    try:
+        tensors = gguf_tensors(ext, plan_tensors(ext, sources, own, layers), _Opener(),
+                               {n: shapes[n] for n in own.values()})
+    except ConvertError as exc:
+        raise ConvertError(f"the checkpoint's DSpark draft (mtp.0..{dcfg.last}, planned as blocks {cfg.n_layer}.."
+                           f"{cfg.n_layer + dcfg.last}): {exc}") from None
+    main = {n: t for n, t in tensors.items() if n in tensor_shapes(cfg)}
+    draft = {}
+    for n, t in tensors.items():
+        if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer:
+            stage = int(n.split(".")[1]) - cfg.n_layer
+            draft[f"mtp.{stage}.{n.split('.', 2)[2]}"] = t
+        elif n in shapes:
+            draft[n] = t
+    target = fingerprint(np.asarray(copy.copy(main["output_norm.weight"]), np.float32))
+    write_gguf(out, cfg, _with_progress(main), tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+    draft = _with_progress(draft)
+    write_dflash_gguf(dspark_out, cfg, dcfg, draft, tokenizer,
+                      {n: (dtype if len(t.shape) >= 2 else "f32") for n, t in draft.items()},
+                      extra_meta={"general.file_type": _FILE_TYPE[dtype], "general.name": cfg.name},
+                      target_fingerprint=target)
+    return cfg
+
+
+def with_dspark(cfg: DS4Config, dcfg) -> tuple[DS4Config, dict[str, str], dict[str, int]]:
+    """(cfg with the draft's stages as more layers, source key -> our name of the draft's own
+    tensors, source prefix of each stage -> its layer), for planning the draft (gguf.dspark)."""
+    from ..gguf.dspark import OWN, own_name, stage_config
+    from .hf import official_dspark_names
+    n, scfg = dcfg.n_stages, stage_config(cfg, dcfg)
+    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + n, compress_ratios=cfg.compress_ratios + scfg.compress_ratios,
+                              swiglu_clamp=cfg.swiglu_clamp + scfg.swiglu_clamp, version=ORIGINAL)
+    official = official_dspark_names(cfg, dcfg)
+    own = {official[own_name(suffix, stage, dcfg)]: own_name(suffix, stage, dcfg) for suffix, stage, _ in OWN}
+    return ext, own, {f"mtp.{s}.": cfg.n_layer + s for s in range(n)}
 
 
 def _with_mtp_block(cfg: DS4Config, sources: dict[str, SourceTensor]) -> tuple[dict, dict]:
@@ -605,14 +677,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mtp-out", default=None, metavar="FILE",
                     help="also write the checkpoint's MTP block (mtp.0.*) to FILE, as llama.cpp's MTP file "
                          "(its converter's --mtp); without it the block is left out")
+    ap.add_argument("--dspark-out", default=None, metavar="FILE",
+                    help="also write a DeepSeek-V4-Flash-0731 checkpoint's DSpark draft (mtp.0..2) to FILE, as "
+                         "llama.cpp's dflash file (its converter's --dspark); without it the draft is left out")
     args = ap.parse_args(argv)
     try:
-        cfg = convert(args.hf, args.out, args.dtype, args.mtp_out)
+        cfg = convert(args.hf, args.out, args.dtype, args.mtp_out, args.dspark_out)
     except ConvertError as exc:
         raise SystemExit(f"convert: {exc}") from None
-    print(f"wrote {args.out}: {cfg.n_layer} layers, {len(tensor_shapes(cfg))} tensors, dtype {args.dtype}")
+    print(f"wrote {args.out}: {cfg.n_layer} layers, {len(tensor_shapes(cfg))} tensors, dtype {args.dtype}, "
+          f"DeepSeek-V4-Flash {cfg.version}")
+    sources = scan_dir(Path(args.hf))
     if args.mtp_out:
         print(f"wrote {args.mtp_out}: its MTP block, as llama.cpp's MTP file")
-    elif has_mtp(scan_dir(Path(args.hf))):
+    elif args.dspark_out:
+        print(f"wrote {args.dspark_out}: its DSpark draft, as llama.cpp's dflash file")
+    elif has_dspark(sources):
+        print("left out the checkpoint's DSpark draft (mtp.0..2): --dspark-out FILE writes it")
+    elif has_mtp(sources):
         print(f"left out the checkpoint's MTP block ({MTP_SRC}*): --mtp-out FILE writes it")
 

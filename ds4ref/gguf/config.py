@@ -11,6 +11,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from .version import DSPARK_STAGES, ORIGINAL, V0731, VERSIONS, model_version
+
 ARCH = "deepseek4"
 
 
@@ -181,6 +183,7 @@ class DS4Config:
     bos_id: int = 0
     eos_id: int = 1
     name: str = "deepseek4"
+    version: str = ORIGINAL  # gguf.version: "original" or "0731" (what the file says of itself)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -241,6 +244,7 @@ class DS4Config:
         need(self.n_head % self.o_groups == 0,
              f"head_count {self.n_head} is not a multiple of output_group_count {self.o_groups}")
         need(1 <= self.n_expert_used <= self.n_expert, "expert_used_count must be in 1..expert_count")
+        need(self.version in VERSIONS, f"version {self.version!r} is not one of {VERSIONS}")
         need(self.n_hash_layers <= self.n_layer,
              f"hash_layer_count {self.n_hash_layers} exceeds block_count {self.n_layer}")
 
@@ -296,6 +300,7 @@ class DS4Config:
         kw["bos_id"] = int(meta.get("tokenizer.ggml.bos_token_id", 0))
         kw["eos_id"] = int(meta.get("tokenizer.ggml.eos_token_id", 1))
         kw["name"] = str(meta.get("general.name", ARCH))
+        kw["version"] = model_version(meta)
         ints = {f.name for f in dataclasses.fields(cls) if f.type in ("int", int)}
         for k in list(kw):
             if k in ints:
@@ -309,12 +314,16 @@ class DS4Config:
 
         Adds the two keys the math does not read but llama.cpp needs: the gating function
         (its loader refuses a file without it) and the rope scaling type (without it
-        llama.cpp silently applies *linear* scaling with rope.scaling.factor).
+        llama.cpp silently applies *linear* scaling with rope.scaling.factor). A 0731 model's
+        compress_ratios carry its DSpark stages' zeros after the layers', as the checkpoint's
+        and llama.cpp's files do (gguf.version).
         """
         meta = {"general.architecture": ARCH, "general.name": self.name}
         for fname, (suffix, _, _) in KEYS.items():
             v = getattr(self, fname)
             meta[f"{ARCH}.{suffix}"] = list(v) if isinstance(v, tuple) else v
+        if self.version == V0731:
+            meta[key_of("compress_ratios")] += [0] * DSPARK_STAGES
         meta[GATING_KEY] = SQRTSOFTPLUS
         meta[ROPE_SCALING_KEY] = "yarn"
         return meta

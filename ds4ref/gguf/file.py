@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .config import ARCH, NEXTN_KEY, ConfigError, DS4Config
+from .dspark import DFLASH_ARCH, LAYOUTS
 from .finite import non_finite
 from .metadata import MetadataError, check_tokenizer, check_types
 from .tensors import has_in_file_mtp_block, is_int_tensor, tensor_shapes
@@ -49,6 +50,8 @@ _KEY_TYPES: dict[str, tuple[VType, VType | None]] = {
     f"{ARCH}.attention.compress_ratios": (VType.ARRAY, VType.INT32),
     f"{ARCH}.swiglu_clamp_exp": (VType.ARRAY, VType.FLOAT32),
     "tokenizer.ggml.token_type": (VType.ARRAY, VType.INT32),
+    f"{ARCH}.swiglu_clamp_shexp": (VType.ARRAY, VType.FLOAT32),
+    f"{DFLASH_ARCH}.target_layers": (VType.ARRAY, VType.INT32),  # llama.cpp's converter writes i32
 }
 
 
@@ -345,10 +348,24 @@ class GGUFTensorFile:
 
 
 class MTPFile(GGUFTensorFile):
-    """A separate MTP GGUF (llama.cpp's MTP file or antirez's), checked against a model by gguf.mtp."""
+    """A draft module's own GGUF: an MTP file (llama.cpp's or antirez's, read by gguf.mtp) or a
+    DSpark draft (gguf.dspark_file), checked against its model by gguf.draft_target."""
 
     def __repr__(self) -> str:
         return f"MTPFile({self.path!r}, {len(self.tensors)} tensors)"
+
+
+def check_float_types(model_file, names: Mapping[str, str], where: str, what: str,
+                      error: type[ValueError]) -> None:
+    """Raise `error` for a `what` draft tensor (`names`: ours -> the file's) stored as a type that
+    is not a float type ds4ref dequantises."""
+    for theirs in names.values():
+        t = model_file.tensors.get(theirs)
+        if t is None:
+            continue
+        if t.qtype in _INT_TYPES or not _can_dequantise(t.qtype):
+            raise error(f"{where}: {what} tensor {theirs!r} is stored as {t.qtype.name}, which is not a "
+                        f"float type ds4ref can dequantise")
 
 
 class GGUFModelFile(GGUFTensorFile):
@@ -465,6 +482,10 @@ def _skip_mtp_blocks(meta: dict, shapes: Mapping[str, tuple[int, ...]], notes: l
 
 
 def _config_from(meta: dict, path: str) -> DS4Config:
+    layout = LAYOUTS.get(meta.get("general.architecture"))
+    if layout is not None:
+        raise GGUFError(f"{path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's, {layout}), not a model: "
+                        f"it drafts beside its model file")
     try:
         config = DS4Config.from_metadata(meta)
         check_tokenizer(meta, config.vocab_size)
@@ -512,6 +533,9 @@ class GGUFWeights(Weights):
 def _value_type(key: str, value: Any) -> tuple[VType, VType | None]:
     if key in _KEY_TYPES:
         return _KEY_TYPES[key]
+    arch, _, suffix = key.partition(".")
+    if arch == DFLASH_ARCH and f"{ARCH}.{suffix}" in _KEY_TYPES:  # a DSpark draft: deepseek4's sizes as dflash.*
+        return _KEY_TYPES[f"{ARCH}.{suffix}"]
     if isinstance(value, (list, tuple)):
         if not value:
             raise GGUFError(f"metadata key {key!r}: cannot write an empty array (its element type is unknown)")
@@ -571,11 +595,12 @@ def write_gguf(path: str | os.PathLike, config: DS4Config, tensors: Mapping[str,
 
 
 def write_tensor_file(path: str | os.PathLike, meta: Mapping[str, Any], tensors: Mapping[str, Any],
-                      dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32") -> None:
-    """Write a deepseek4 GGUF of `meta` and `tensors`, in their order, checking neither
-    against a config (write_gguf does for a model file, gguf.mtp for an MTP file)."""
+                      dtypes: Mapping[str, str] | None = None, default_dtype: str = "f32", arch: str = ARCH) -> None:
+    """Write a GGUF of `meta` and `tensors` (a deepseek4 one unless `arch` says otherwise), in
+    their order, checking neither against a config (write_gguf does for a model file, gguf.mtp
+    for an MTP file, gguf.dspark_file for a DSpark draft)."""
     dtypes = dict(dtypes or {})
-    writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
     try:
         _add_metadata(writer, meta)
         for name, value in tensors.items():  # tensor infos first: the header precedes all data

@@ -29,9 +29,9 @@ import numpy as np
 
 from .config import ARCH, NEXTN_KEY, DS4Config
 from .quant_codes import QUANT_TYPES
-from .file import _INT_TYPES, MTPFile, _can_dequantise, write_tensor_file
+from .file import MTPFile, check_float_types, write_tensor_file
 from .tensors import NEXTN_PROJ, layer_tensor_shapes, tensor_shapes
-from .weights import Weights, WeightsError
+from .weights import RenamedWeights, WeightsError, check_shapes
 
 PREFIX = "mtp.0."
 OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
@@ -97,20 +97,16 @@ def in_file_name(name: str, block: int) -> str:
     return f"blk.{block}.{NEXTN.get(suffix, suffix)}"
 
 
-class MTPWeights(Weights):
+class MTPWeights(RenamedWeights):
     """The MTP block's tensors under their `mtp.0.*` names, read from a source that holds
     them under other names (`names`: ours -> the source's). `fused`: the source's name of a
     [e_proj | h_proj] matrix, split here by columns."""
 
     def __init__(self, mcfg: DS4Config, source, names: Mapping[str, str], fused: str | None = None,
                  dtype=np.float32, where: str = "MTP") -> None:
-        super().__init__(mcfg, dtype)
-        self._shapes = mtp_tensor_shapes(mcfg)
-        self.source, self.names, self.fused, self._where = source, dict(names), fused, where
-
-    @property
-    def where(self) -> str:
-        return self._where
+        names = {ours: theirs for ours, theirs in names.items() if fused is None or ours not in (E_PROJ, H_PROJ)}
+        super().__init__(mcfg, mtp_tensor_shapes(mcfg), source, names, dtype, where)
+        self.fused = fused
 
     def _split(self, name: str) -> int | None:
         """0 / 1 for e_proj / h_proj read from the fused matrix, else None."""
@@ -120,62 +116,36 @@ class MTPWeights(Weights):
 
     def _load(self, name: str) -> np.ndarray:
         half = self._split(name)
-        if half is not None:
-            d = self.config.n_embd
-            return self.source.read(self.fused)[:, half * d:(half + 1) * d]
-        return self.source.read(self.names[name])
-
-    def _load_expert(self, name: str, e: int) -> np.ndarray:
-        return self.source.read_expert(self.names[name], e)
+        if half is None:
+            return super()._load(name)
+        d = self.config.n_embd
+        return self.source.read(self.fused)[:, half * d:(half + 1) * d]
 
     def _stored_blocks(self, name: str):
         half = self._split(name)
-        t = self.source.tensor(self.fused if half is not None else self.names[name])
+        if half is None:
+            return super()._stored_blocks(name)
+        t = self.source.tensor(self.fused)
         if t.qtype.name not in QUANT_TYPES:
             return None
-        if half is None:
-            return t.qtype.name, t.data
         nb = t.data.shape[-1] // 2  # whole blocks per half: the reader checked d is a block multiple
         return t.qtype.name, t.data[..., half * nb:(half + 1) * nb]
 
     def stored_bytes(self) -> int:
         """Bytes of the stored tensors this block reads (a memory plan's share)."""
-        read = {self.fused} if self.fused is not None else set()
-        read |= {theirs for ours, theirs in self.names.items() if self._split(ours) is None}
-        return sum(self.source.tensor(n).n_bytes for n in read)
+        return super().stored_bytes() + (self.source.tensor(self.fused).n_bytes if self.fused is not None else 0)
 
     def with_dtype(self, dtype) -> "MTPWeights":
-        return MTPWeights(self.config, self.source, self.names, self.fused, dtype, self._where)
+        return MTPWeights(self.config, self.source, self.names, self.fused, dtype, self.where)
 
 
 def _check_shapes(mcfg: DS4Config, found: Mapping[str, tuple], names: Mapping[str, str], where: str,
                   fused: str | None) -> None:
-    for ours, shape in mtp_tensor_shapes(mcfg).items():
-        if fused is not None and ours in (E_PROJ, H_PROJ):
-            continue
-        theirs = names[ours]
-        if theirs not in found:
-            raise MTPError(f"{where}: the MTP block has no tensor {theirs!r} (expected NumPy shape {shape})")
-        if tuple(found[theirs]) != tuple(shape):
-            raise MTPError(f"{where}: MTP tensor {theirs!r} has NumPy shape {tuple(found[theirs])}, "
-                           f"expected {tuple(shape)} for this model")
+    want = {names[ours]: shape for ours, shape in mtp_tensor_shapes(mcfg).items()
+            if fused is None or ours not in (E_PROJ, H_PROJ)}
     if fused is not None:
-        d = mcfg.n_embd
-        if fused not in found:
-            raise MTPError(f"{where}: the MTP block has no tensor {fused!r} (expected NumPy shape {(d, 2 * d)})")
-        if tuple(found[fused]) != (d, 2 * d):
-            raise MTPError(f"{where}: MTP tensor {fused!r} has NumPy shape {tuple(found[fused])}, "
-                           f"expected {(d, 2 * d)} ([e_proj | h_proj])")
-
-
-def _check_types(model_file, names: Mapping[str, str], where: str) -> None:
-    for theirs in names.values():
-        t = model_file.tensors.get(theirs)
-        if t is None:
-            continue
-        if t.qtype in _INT_TYPES or not _can_dequantise(t.qtype):
-            raise MTPError(f"{where}: MTP tensor {theirs!r} is stored as {t.qtype.name}, which is not a "
-                           f"float type ds4ref can dequantise")
+        want[fused] = (mcfg.n_embd, 2 * mcfg.n_embd)  # [e_proj | h_proj]
+    check_shapes(want, found, where, MTPError, "MTP tensor")
 
 
 def _layer_config(cfg: DS4Config, meta: Mapping[str, Any], block: int, where: str) -> DS4Config:
@@ -215,7 +185,7 @@ def in_file_mtp_strict(model_file, dtype=np.float32) -> MTPWeights | None:
     shapes = {n: t.shape for n, t in model_file.tensors.items()}
     fused = f"blk.{block}.{EH_PROJ}" if names[E_PROJ] not in shapes else None
     _check_shapes(mcfg, shapes, names, where, fused)
-    _check_types(model_file, names, where)
+    check_float_types(model_file, names, where, "MTP", MTPError)
     return MTPWeights(mcfg, model_file, names, fused, dtype, where)
 
 
@@ -232,20 +202,22 @@ def mtp_file_block(meta: Mapping[str, Any], shapes) -> int | None:
     return block if f"blk.{block}.{EH_PROJ}" in shapes else None
 
 
-def _check_sizes(meta: Mapping[str, Any], cfg: DS4Config, where: str) -> None:
-    for key in ("embedding_length", "attention.head_count", "attention.key_length", "expert_count"):
-        full = f"{ARCH}.{key}"
-        mine = cfg.to_metadata().get(full)
-        if full in meta and mine is not None and meta[full] != mine:
-            raise MTPError(f"{where}: {full} is {meta[full]} but the model's is {mine}: "
-                           f"this MTP file belongs to another model")
-
-
-def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32) -> MTPWeights:
+def separate_mtp(path: str | os.PathLike, cfg: DS4Config, dtype=np.float32, model_file=None) -> MTPWeights:
     """The MTP block of a separate MTP GGUF for a model of config `cfg`: llama.cpp's MTP file
-    (its converter's `--mtp`, and ds4ref's) or antirez's (`mtp.0.*` tensors)."""
+    (its converter's `--mtp`, and ds4ref's) or antirez's (`mtp.0.*` tensors). With the model's
+    file, the MTP file must belong to it (gguf.draft_target: sizes, version, the model's
+    output_norm where the MTP file carries a copy)."""
+    from .draft_target import DSPARK, DraftTargetError, check_draft_target, draft_kind, size_difference
     mf = MTPFile(path)
-    _check_sizes(mf.metadata, cfg, mf.path)
+    if draft_kind(mf.metadata, mf.tensors) == DSPARK:
+        raise MTPError(f"{mf.path}: this is a DSpark draft (DeepSeek-V4-Flash-0731's), not an MTP file")
+    if model_file is not None:
+        try:
+            check_draft_target(mf.metadata, mf.path, model_file, mf)
+        except DraftTargetError as exc:
+            raise MTPError(str(exc)) from None
+    elif (other := size_difference(mf.metadata, cfg)) is not None:  # without the model's file: its config's
+        raise MTPError(f"{mf.path}: {other}: this MTP file belongs to another model")
     shapes = {n: t.shape for n, t in mf.tensors.items()}
     block = mtp_file_block(mf.metadata, shapes)
     if block is not None:
@@ -275,7 +247,7 @@ def _llama_mtp(mf, cfg: DS4Config, block: int, shapes, dtype) -> MTPWeights:
         if name in shapes and tuple(shapes[name]) != want:
             raise MTPError(f"{where}: {name!r} has NumPy shape {tuple(shapes[name])}, the model's is {want}: "
                            f"this MTP file belongs to another model")
-    _check_types(mf, names, where)
+    check_float_types(mf, names, where, "MTP", MTPError)
     return MTPWeights(mcfg, mf, names, fused, dtype, where)
 
 
@@ -284,7 +256,7 @@ def _antirez_mtp(mf, cfg: DS4Config, shapes, dtype) -> MTPWeights:
     mcfg = mtp_config(cfg, 0, clamps[cfg.n_layer] if len(clamps) > cfg.n_layer else None)
     names = {ours: ours for ours in mtp_tensor_shapes(mcfg)}
     _check_shapes(mcfg, shapes, names, mf.path, None)
-    _check_types(mf, names, mf.path)
+    check_float_types(mf, names, mf.path, "MTP", MTPError)
     return MTPWeights(mcfg, mf, names, None, dtype, mf.path)
 
 
@@ -323,15 +295,7 @@ def write_mtp_gguf(path: str | os.PathLike, cfg: DS4Config, tensors: Mapping[str
     mcfg = mtp_config(cfg)
     want = {**mtp_tensor_shapes(mcfg), **{n: tensor_shapes(cfg)[n] for n in SHARED}}
     given = {**tensors, **shared}
-    for name, shape in want.items():
-        if name not in given:
-            raise MTPError(f"write_mtp_gguf: missing tensor {name!r} (expected NumPy shape {shape})")
-        if tuple(given[name].shape) != tuple(shape):
-            raise MTPError(f"write_mtp_gguf: tensor {name!r} has NumPy shape {tuple(given[name].shape)}, "
-                           f"expected {tuple(shape)}")
-    extra = sorted(set(given) - set(want))
-    if extra:
-        raise MTPError(f"write_mtp_gguf: tensors that are not the MTP block's: {extra}")
+    check_shapes(want, {n: t.shape for n, t in given.items()}, "write_mtp_gguf", MTPError, whose="the MTP block's")
     dtypes = dict(dtypes or {})
     e_type, h_type = (dtypes.get(n, default_dtype) for n in (E_PROJ, H_PROJ))
     if e_type != h_type:

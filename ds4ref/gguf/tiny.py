@@ -8,10 +8,12 @@ that activations stay O(1) through the layers and the logits are far from
 flat, which makes argmax comparisons between implementations meaningful.
 
     python -m ds4ref.gguf.tiny --out model.gguf [--mtp-out mtp.gguf] [--seed N] [--layers N]
-                               [--policy q2|q4|mxfp4]
+                               [--policy q2|q4|mxfp4] [--version 0731 --dspark-out draft.gguf]
 
 The packaged model and its MTP block are
-`--out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf`.
+`--out ds4ref/data/ds4-tiny.gguf --mtp-out ds4ref/data/mtp-ds4-tiny.gguf`. `--version 0731`
+writes the same weights as a DeepSeek-V4-Flash-0731 model, whose draft is a random DSpark draft
+(`--dspark-out`, llama.cpp's dflash file; docs/mtp.md "Files and names").
 
 `--policy` writes the published files' type policy (spec §2): routed experts as
 IQ2_XXS gate/up + Q2_K down (q2), Q4_K (q4) or MXFP4 (mxfp4); Q8_0 attention, shared
@@ -32,7 +34,9 @@ from ..console import HelpFormatter
 import numpy as np
 
 from .config import DS4Config
+from .dspark import DSparkConfig, dspark_tensor_shapes, stage_config
 from .tensors import tensor_shapes
+from .version import ORIGINAL, V0731, VERSIONS
 
 # Clamp limits low enough that the SwiGLU clamp acts on a good share of
 # random activations (the gate/up projections below have std ~2).
@@ -311,15 +315,20 @@ def policy_tensors(config: DS4Config, policy: str, seed: int = 0) -> tuple[dict,
 # ---------------------------------------------------------------------------
 def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: int = 0,
                dtypes: dict[str, str] | None = None, policy: str | None = None,
-               mtp: str | os.PathLike | None = None) -> DS4Config:
+               mtp: str | os.PathLike | None = None, dspark: str | os.PathLike | None = None) -> DS4Config:
     """Write a tiny model (weights, config and the embedded tokenizer) to `path`;
     `policy` (q2, q4, mxfp4) writes the published type policy at POLICY_DIMS; `mtp` (a path,
     not with a policy) writes a random MTP block there as llama.cpp's MTP file (gguf.mtp),
-    for ds4ref.load(path, mtp=...): the model file itself never carries one."""
+    for ds4ref.load(path, mtp=...): the model file itself never carries one. A 0731 config
+    (tiny_0731_config) takes `dspark` instead: a random DSpark draft (tiny_dspark, random_dspark)
+    written there as llama.cpp's dflash file (gguf.dspark_file), for ds4ref.load(path, dspark=...)."""
     from .file import write_gguf
     from .tokenizer import tiny_tokenizer_meta
 
     extra = {"ds4ref.tiny_seed": int(seed)}
+    version = (config or tiny_config()).version
+    if (mtp is not None and version == V0731) or (dspark is not None and version != V0731):
+        raise ValueError(f"a {version} model's draft is {'a DSpark draft' if version == V0731 else 'an MTP block'}")
     if policy is not None:
         if mtp is not None:
             raise ValueError("the policy files carry no MTP block: give no mtp path with a policy")
@@ -331,6 +340,13 @@ def write_tiny(path: str | os.PathLike, config: DS4Config | None = None, seed: i
         tensors, dtypes = random_tensors(config, seed), (tiny_dtypes(config) if dtypes is None else dtypes)
     tokenizer = tiny_tokenizer_meta(config.vocab_size)
     write_gguf(path, config, tensors, tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
+    if dspark is not None:
+        from .dspark_file import write_dflash_gguf
+        from .draft_target import fingerprint
+        dcfg = tiny_dspark(config)
+        draft, draft_dtypes = random_dspark(config, dcfg, seed)
+        write_dflash_gguf(dspark, config, dcfg, draft, tokenizer, draft_dtypes if dtypes else {}, extra_meta=extra,
+                          target_fingerprint=fingerprint(tensors["output_norm.weight"]))
     if mtp is not None:
         from .mtp import SHARED, write_mtp_gguf
         mtp_tensors, mtp_dtypes = random_mtp(config, seed)
@@ -357,6 +373,47 @@ def random_mtp(config: DS4Config, seed: int = 0) -> tuple[dict, dict[str, str]]:
         if suffix in _DTYPE_BY_SUFFIX or suffix in ("e_proj.weight", "h_proj.weight", "hc_head_fn.weight"):
             dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix, "f16" if suffix == "hc_head_fn.weight" else "q8_0")
     return tensors, dtypes
+
+
+DSPARK_SEED_OFFSET = 2 << 20  # the DSpark draft's generators come after the MTP's
+
+
+def tiny_dspark(config: DS4Config) -> DSparkConfig:
+    """The tiny model's DSpark settings, 0731's in miniature: a block of 5, the last three
+    layers' hidden states (0731 taps 40, 41, 42 of 43), a rank-32 Markov head (256 in 0731; 32
+    is one Q8_0 block), the last token id as the noise token."""
+    n = config.n_layer
+    return DSparkConfig(block_size=5, noise_token_id=config.vocab_size - 1, markov_rank=32,
+                        target_layers=tuple(range(max(0, n - 3), n)))
+
+
+# the draft's own stored types (the stages' follow the tiny layers'; norms and the rest f32)
+_DSPARK_DTYPES = {"markov_head.markov_w1.weight": "f16", "markov_head.markov_w2.weight": "q8_0",
+                  "main_proj.weight": "q8_0", "hc_head_fn.weight": "f16"}
+
+
+def random_dspark(config: DS4Config, dcfg: DSparkConfig, seed: int = 0) -> tuple[dict, dict[str, str]]:
+    """(tensors by their `mtp.S.*` names, their stored types) of a random DSpark draft for
+    `config`, drawn like the main tensors from generators of their own."""
+    scfg = stage_config(config, dcfg)
+    tensors, dtypes = {}, {}
+    for i, (name, shape) in enumerate(dspark_tensor_shapes(config, dcfg).items()):
+        rng = np.random.default_rng([seed, DSPARK_SEED_OFFSET + i])
+        suffix = name.split(".", 2)[2]  # after mtp.S.
+        if suffix == "markov_head.markov_w1.weight":  # an embedding table
+            tensors[name] = _normal(rng, shape)
+        elif suffix == "markov_head.markov_w2.weight":  # RMS ~2, as the logits': it moves the argmax
+            tensors[name] = _linear(rng, shape, 2.0)
+        else:
+            tensors[name] = _random_tensor(rng, scfg, suffix, tuple(shape))
+        if suffix in _DTYPE_BY_SUFFIX or suffix in _DSPARK_DTYPES:
+            dtypes[name] = _DTYPE_BY_SUFFIX.get(suffix) or _DSPARK_DTYPES[suffix]
+    return tensors, dtypes
+
+
+def tiny_0731_config(**overrides) -> DS4Config:
+    """tiny_config as a 0731 model: the same sizes, named and versioned 0731 (gguf.version)."""
+    return tiny_config(**{"name": "ds4-tiny-0731", "version": V0731, **overrides})
 
 
 def default_model_path() -> Path:
@@ -390,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--all-f32", action="store_true", help="store every float tensor as f32")
     ap.add_argument("--mtp-out", default=None, metavar="FILE",
                     help="also write a random MTP block to FILE, as llama.cpp's MTP file (not with --policy)")
+    ap.add_argument("--version", choices=VERSIONS, default=ORIGINAL,
+                    help="the release the tiny model mimics: 0731 adds its signs (gguf.version) and takes "
+                         "--dspark-out instead of --mtp-out")
+    ap.add_argument("--dspark-out", default=None, metavar="FILE",
+                    help="with --version 0731: also write a random DSpark draft to FILE, as llama.cpp's dflash file")
     ap.add_argument("--policy", choices=sorted(POLICIES), default=None,
                     help="published type policy: q2 (IQ2_XXS/Q2_K experts), q4 (Q4_K), mxfp4; 256 wide")
     args = ap.parse_args(argv)
@@ -403,13 +465,19 @@ def main(argv: list[str] | None = None) -> None:
         overrides.update(compress_ratios=ratios, n_layer=len(ratios))
     if args.layers is not None:
         overrides["n_layer"] = args.layers
+    if (args.mtp_out and args.version == V0731) or (args.dspark_out and args.version != V0731):
+        ap.error("--mtp-out goes with the original, --dspark-out with --version 0731")
+    if args.version == V0731:
+        overrides.update(name="ds4-tiny-0731", version=V0731)
     cfg = (policy_config if args.policy else tiny_config)(**overrides)
     write_tiny(args.out, cfg, args.seed, dtypes={} if args.all_f32 else None, policy=args.policy,
-               mtp=args.mtp_out)
+               mtp=args.mtp_out, dspark=args.dspark_out)
     print(f"wrote {args.out}: {cfg.n_layer} layers, ratios {list(cfg.compress_ratios)}, "
           f"{os.path.getsize(args.out)} bytes")
     if args.mtp_out:
         print(f"wrote {args.mtp_out}: its MTP block, {os.path.getsize(args.mtp_out)} bytes")
+    if args.dspark_out:
+        print(f"wrote {args.dspark_out}: its DSpark draft, {os.path.getsize(args.dspark_out)} bytes")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from .config import DS4Config
-from .quant_codes import QuantCodes, quant_codes
+from .quant_codes import QUANT_TYPES, QuantCodes, quant_codes
 from .tensors import is_int_tensor, tensor_shapes
 
 FLOAT_DTYPES = (np.float32, np.float64)
@@ -34,18 +34,29 @@ def check_float_dtype(dtype) -> type:
     return dt
 
 
+def check_shapes(want: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], where: str,
+                 error: type[ValueError] = WeightsError, noun: str = "tensor", whose: str | None = None) -> None:
+    """Raise `error`, naming the tensor, when `found` (name -> NumPy shape) lacks a tensor of
+    `want` or holds it in another shape; with `whose` ("the MTP block's"), also when `found`
+    holds tensors beyond `want`."""
+    for name, expected in want.items():
+        if name not in found:
+            raise error(f"{where}: missing {noun} {name!r} (expected NumPy shape {tuple(expected)})")
+        shape = tuple(int(n) for n in found[name])
+        if shape != tuple(expected):
+            raise error(f"{where}: {noun} {name!r} has NumPy shape {shape}, expected {tuple(expected)}")
+    extra = sorted(set(found) - set(want)) if whose is not None else []
+    if extra:
+        raise error(f"{where}: tensors that are not {whose}: {extra}")
+
+
 def check_tensor_shapes(config: DS4Config, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
     """Raise unless every tensor the config needs is in `shapes` with its expected shape.
 
     Extra tensors are allowed: published files may carry more (e.g. MTP) than
     the main forward pass reads.
     """
-    for name, expected in tensor_shapes(config).items():
-        if name not in shapes:
-            raise WeightsError(f"{where}: missing tensor {name!r} (expected NumPy shape {expected})")
-        found = tuple(int(n) for n in shapes[name])
-        if found != tuple(expected):
-            raise WeightsError(f"{where}: tensor {name!r} has NumPy shape {found}, expected {tuple(expected)}")
+    check_shapes(tensor_shapes(config), shapes, where)
 
 
 def check_hash_routes(config: DS4Config, name: str, table: np.ndarray, where: str = "weights") -> None:
@@ -237,3 +248,32 @@ class DictWeights(Weights):
 
     def with_dtype(self, dtype) -> "DictWeights":
         return DictWeights(self.config, self._tensors, dtype, self.max_cached_experts)
+
+
+class RenamedWeights(Weights):
+    """A draft module's tensors under our names (`shapes`), read from a file that holds them
+    under others (`names`: ours -> the file's): gguf.mtp's MTP block, gguf.dspark_file's draft."""
+
+    def __init__(self, config: DS4Config, shapes: Mapping[str, tuple[int, ...]], source, names: Mapping[str, str],
+                 dtype=np.float32, where: str = "draft") -> None:
+        super().__init__(config, dtype)
+        self._shapes = dict(shapes)
+        self.source, self.names, self._where = source, dict(names), where
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+    def _load(self, name: str) -> np.ndarray:
+        return self.source.read(self.names[name])
+
+    def _load_expert(self, name: str, e: int) -> np.ndarray:
+        return self.source.read_expert(self.names[name], e)
+
+    def _stored_blocks(self, name: str):
+        t = self.source.tensor(self.names[name])
+        return (t.qtype.name, t.data) if t.qtype.name in QUANT_TYPES else None
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored tensors it reads (a memory plan's share)."""
+        return sum(self.source.tensor(n).n_bytes for n in set(self.names.values()))

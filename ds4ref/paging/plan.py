@@ -43,6 +43,7 @@ class MemoryPlan:
     mtp_slot: int = 0   # one lane's MTP window ring (0: no MTP block); a snapshot carries one too
     draft: int = 0      # the MTP block's per-lane window rings (and on hip its pass buffers)
     round_snapshots: int = 0  # speculation's: one a lane, taken before each round with drafts
+    drafter: str = "MTP block"  # what holds the draft rings: the MTP block, or the DSpark draft
 
     @property
     def layout(self) -> PageLayout:
@@ -84,13 +85,18 @@ class MemoryPlan:
 
 def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool_tokens: Optional[int],
               storage: str, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True,
-              mtp_storage: Optional[str] = None) -> MemoryPlan:
-    """mtp_storage: how the backend holds the MTP block's window rows (None: no MTP block)."""
-    mtp_slot = mtp_slot_bytes(config, mtp_storage, page_tokens) if mtp_storage else 0
+              mtp_storage: Optional[str] = None, draft_config: Optional[DS4Config] = None) -> MemoryPlan:
+    """mtp_storage: how the backend holds the draft module's window rows (None: no draft module);
+    draft_config: DSpark's stages (gguf.dspark, a window ring a stage), else the MTP block's one layer."""
+    mtp_slot = 0
+    if mtp_storage:
+        mtp_slot = (PageLayout(draft_config, page_tokens).slot_bytes(mtp_storage) if draft_config is not None
+                    else mtp_slot_bytes(config, mtp_storage, page_tokens))
     return MemoryPlan(config, weights, lanes, context,
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens,
                       snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0,
-                      mtp_slot=mtp_slot, draft=lanes * mtp_slot, round_snapshots=lanes if mtp_storage else 0)
+                      mtp_slot=mtp_slot, draft=lanes * mtp_slot, round_snapshots=lanes if mtp_storage else 0,
+                      drafter="DSpark draft" if draft_config is not None else "MTP block")
 
 
 def mtp_slot_bytes(config: DS4Config, storage: str, page_tokens: int = PAGE_TOKENS) -> int:
@@ -131,7 +137,7 @@ def check_fits(plan: MemoryPlan, available: int, where: str) -> None:
     work = f" and {size(plan.workspace)} of pass workspace" if plan.workspace else ""
     work += (f", {size(plan.snapshot_bytes)} of prefix-cache snapshots (--no-prefix-cache drops them)"
              if plan.snapshots else "")
-    work += f", {size(plan.draft)} of MTP block state" if plan.draft else ""
+    work += f", {size(plan.draft)} of {plan.drafter} state" if plan.draft else ""
     work += f", {size(plan.round_bytes)} of speculation's round snapshots" if plan.round_snapshots else ""
     raise PlanError(
         f"the memory plan needs {size(plan.total)} but {where} {size(available)}: weights "
@@ -147,7 +153,7 @@ def summary(plan: MemoryPlan) -> str:
     cache = (f" + prefix-cache snapshots {plan.snapshots} x {size(plan.per_slot + plan.mtp_slot)} "
              f"(cached pages share the pool)"
              if plan.snapshots else "")
-    cache += f" + MTP block state {size(plan.draft)}" if plan.draft else ""
+    cache += f" + {plan.drafter} state {size(plan.draft)}" if plan.draft else ""
     cache += (f" + speculation's round snapshots {plan.round_snapshots} x {size(plan.per_slot + plan.mtp_slot)}"
               if plan.round_snapshots else "")
     return (f"memory plan: {size(plan.total)} = weights {size(plan.weights)} + paged history "
@@ -168,7 +174,7 @@ def table(plan: MemoryPlan, available: str) -> str:
             *([("prefix cache", plan.snapshot_bytes, f"at most {plan.snapshots} snapshots x "
                                                      f"{plan.per_slot + plan.mtp_slot:,} B; "
                                                      f"cached pages are the pool's own")] if plan.snapshots else []),
-            *([("MTP block", plan.draft, f"its window rings for {plan.lanes} lanes (and the hip backend's "
+            *([(plan.drafter, plan.draft, f"its window rings for {plan.lanes} lanes (and the hip backend's "
                                          f"draft pass buffers); its weights are in 'weights'")] if plan.draft else []),
             *([("speculation", plan.round_bytes, f"a round snapshot a lane, {plan.round_snapshots} x "
                                                  f"{plan.per_slot + plan.mtp_slot:,} B")] if plan.round_snapshots else []),

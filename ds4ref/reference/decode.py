@@ -161,30 +161,39 @@ def attention_block(lw, cfg, tables, numerics, rows: Rows, il, streams):
 
 
 def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.ndarray | None = None,
-                hidden: bool = False):
+                hidden: bool = False, taps: Sequence[int] = ()):
     """Advance every row's state by its token; the logits (rows flagged in emit, vocab),
     emit defaulting to every row. float64 (plain NumPy, not batch-invariant) runs row by row.
     hidden: also return every row's final streams (N, hc, d), the head's input, which the
-    MTP block takes (reference/mtp.py)."""
+    MTP block takes (reference/mtp.py). taps: also return, per row, the mean of the streams
+    after each of these layers, concatenated (N, len(taps) * d), which DSpark takes
+    (reference/dspark.py). Returned as (logits, [streams], [tapped])."""
     cfg = weights.config
     emit = np.ones(len(rows), bool) if emit is None else np.asarray(emit, bool)
     if len(rows) == 0:
-        empty = np.zeros((0, cfg.vocab_size), weights.dtype)
-        return (empty, np.zeros((0, cfg.hc_mult, cfg.n_embd), weights.dtype)) if hidden else empty
+        out = [np.zeros((0, cfg.vocab_size), weights.dtype)]
+        out += [np.zeros((0, cfg.hc_mult, cfg.n_embd), weights.dtype)] if hidden else []
+        out += [np.zeros((0, len(taps) * cfg.n_embd), weights.dtype)] if taps else []
+        return tuple(out) if len(out) > 1 else out[0]
     if not ops.batch_invariant(weights.dtype) and len(rows) > 1:
-        parts = [decode_rows(weights, tables, numerics, rows[i:i + 1], emit[i:i + 1], hidden)
+        parts = [decode_rows(weights, tables, numerics, rows[i:i + 1], emit[i:i + 1], hidden, taps)
                  for i in range(len(rows))]
-        if hidden:
-            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        if hidden or taps:
+            return tuple(np.concatenate([p[j] for p in parts]) for j in range(len(parts[0])))
         return np.concatenate(parts)
     tap.begin(rows.positions, rows.tokens, rows.positions[emit])
     streams = embed(weights, rows.tokens, cfg)
+    tapped = {}
     for il in range(cfg.n_layer):
         lw = LayerWeights(weights, il, numerics)
         streams = block(lw, cfg, tables, numerics, rows, il, streams)
+        if il in taps:
+            tapped[il] = ops.stream_mean(streams)
     logits = head(weights, cfg, numerics, streams[emit]) if emit.any() else np.zeros((0, cfg.vocab_size),
                                                                                     weights.dtype)
-    return (logits, streams) if hidden else logits
+    out = [logits] + ([streams] if hidden else []) + ([np.concatenate([tapped[t] for t in taps], axis=1)]
+                                                      if taps else [])
+    return tuple(out) if len(out) > 1 else logits
 
 
 def block(lw: LayerWeights, cfg, tables: Tables, numerics: str, rows: Rows, il: int, streams):

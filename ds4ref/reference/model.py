@@ -61,12 +61,13 @@ class Model:
         """One token through the decode state: the pass of one row."""
         return decode_step(self.weights, self.tables, self.numerics, state, int(token), int(pos), want_logits)
 
-    def step_rows(self, states, tokens, positions, emit=None, hidden: bool = False):
+    def step_rows(self, states, tokens, positions, emit=None, hidden: bool = False, taps=()):
         """One pass of rows (row i: tokens[i] at positions[i] into states[i]; a sequence's rows
         consecutive, in order); logits of the rows flagged in emit (default all), in row order.
-        hidden: (logits, every row's final streams), the MTP block's input (reference/mtp.py)."""
+        hidden: (logits, every row's final streams), the MTP block's input (reference/mtp.py);
+        taps: (logits, [streams], the stream means after these layers), DSpark's (reference/dspark.py)."""
         return decode_rows(self.weights, self.tables, self.numerics, Rows.of(states, tokens, positions), emit,
-                           hidden)
+                           hidden, tuple(taps))
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (T, vocab) at every position.

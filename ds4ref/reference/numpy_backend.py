@@ -57,9 +57,14 @@ class PagedSeqView:
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, model, max_pass_rows: int = PREFILL_ROWS, mtp=None) -> None:
-        """mtp: the model's MTP block (reference/mtp.py), for draft(); None: no drafts."""
+    def __init__(self, model, max_pass_rows: int = PREFILL_ROWS, mtp=None, dspark=None) -> None:
+        """The draft module for draft(): dspark (reference/dspark.py) when given, else mtp (the
+        model's MTP block, reference/mtp.py); neither: no drafts."""
         self.model, self.cfg, self.dtype, self.mtp = model, model.config, model.dtype, mtp
+        self.dspark = dspark
+        self.drafter = dspark if dspark is not None else mtp
+        # DSpark proposes one block a round: at most block_size drafts (SeqEngine checks k against it)
+        self.max_draft_tokens = dspark.config.block_size if dspark is not None else None
         self.max_pass_rows = max_pass_rows
         self.storage = kv_storage("numpy", model.numerics, self.dtype)  # how KV / indexer rows are held
         self.layout: PageLayout | None = None
@@ -82,8 +87,10 @@ class NumpyBackend:
         self.next_pos = np.zeros(n_slots, np.int64)
         self.snapshots: dict[int, tuple] = {}  # id -> (ring, compressors, position)
         self._next_snapshot = 0
-        self.mtp_states = [self.mtp.new_state() for _ in range(n_slots)] if self.mtp is not None else []
-        self.hidden: dict[int, tuple[int, np.ndarray]] = {}  # slot -> (first position, final streams) of the last pass
+        self.draft_states = [self.drafter.new_state() for _ in range(n_slots)] if self.drafter is not None else []
+        # slot -> (first position, what the draft module reads of its rows) of the last pass: the
+        # final streams (MTP) or the stream means after the tapped layers (DSpark)
+        self.hidden: dict[int, tuple[int, np.ndarray]] = {}
         self.last_rows: dict[int, tuple[int, list[int]]] = {}
         self.non_finite: set[int] = set()  # slots of the pass running now whose rows stopped being finite
 
@@ -123,15 +130,15 @@ class NumpyBackend:
             c.reset()
         self.block_tables[slot] = np.zeros(0, np.int64)  # its pages are zeroed when mapped again
         self.next_pos[slot] = 0
-        if self.mtp_states:
-            self.mtp_states[slot] = self.mtp.new_state()
+        if self.draft_states:
+            self.draft_states[slot] = self.drafter.new_state()
 
     # ---- snapshots (the prefix cache) ---------------------------------------------
     def save_state(self, slot: int) -> int:
         self._check_slot(slot)
         comps = {k: copy.deepcopy(c) for k, c in self.comps[slot].items()}
         self._next_snapshot += 1
-        mtp = self.mtp_states[slot].save() if self.mtp_states else None  # the MTP window rides along
+        mtp = self.draft_states[slot].save() if self.draft_states else None  # the draft's window rides along
         self.snapshots[self._next_snapshot] = (self.rings[slot].copy(), comps, int(self.next_pos[slot]), mtp)
         return self._next_snapshot
 
@@ -149,7 +156,7 @@ class NumpyBackend:
         self.block_tables[slot] = table
         self.next_pos[slot] = position
         if mtp is not None:
-            self.mtp_states[slot].load(mtp)
+            self.draft_states[slot].load(mtp)
 
     def drop_state(self, snapshot: int) -> None:
         del self.snapshots[snapshot]
@@ -165,7 +172,7 @@ class NumpyBackend:
         """Back to the snapshot, then the kept rows run again through the same computation
         (their state updates are its row-by-row ones; their results are not wanted)."""
         self._check_slot(slot)
-        ring, comps, position, _ = self.snapshots[snapshot]  # the MTP window stays (backend.DraftRequest)
+        ring, comps, position, _ = self.snapshots[snapshot]  # the draft's window stays (backend.DraftRequest)
         if position > self.next_pos[slot]:
             raise ValueError(f"slot {slot}: snapshot at {position} is ahead of the slot's state at "
                              f"{int(self.next_pos[slot])}")
@@ -181,31 +188,54 @@ class NumpyBackend:
         return rows
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[np.ndarray]:
-        """The MTP block over each request's rows (all requests' rows in one MTP pass), then
-        k - 1 chained steps per request. The chained steps overwrite MTP window entries that
-        later positions still read (the ring is one window long), so they run on a copy."""
-        if self.mtp is None:
-            raise ValueError("this model has no MTP block: no drafts (load one with ds4ref.load(mtp=...))")
+        """The draft module over each request's rows (all requests' rows in one pass), then its
+        drafts: the MTP block's k - 1 chained steps, or DSpark's block (its first k tokens)."""
+        if self.drafter is None:
+            raise ValueError("this model has no MTP block or DSpark module: no drafts (load one with "
+                             "ds4ref.load(mtp=...) or ds4ref.load(dspark=...))")
         self._check_slot(0)  # configured
         check_draft_requests(requests, self.n_slots, self.cfg.vocab_size)
-        states, hidden, tokens, positions = [], [], [], []
+        if self.max_draft_tokens is not None:
+            for r in requests:
+                if r.k > self.max_draft_tokens:
+                    raise ValueError(f"slot {r.slot}: {r.k} drafts asked, DSpark proposes at most "
+                                     f"{self.max_draft_tokens} (its block size) a round")
+        states, hidden, positions = [], [], []
         for r in requests:
-            first, streams = self.hidden.get(r.slot, (0, np.zeros((0,))))
+            first, rows = self.hidden.get(r.slot, (0, np.zeros((0,))))
             idx = np.asarray(r.positions, np.int64) - first
-            if idx.size == 0 or idx.min() < 0 or idx.max() >= len(streams):
+            if idx.size == 0 or idx.min() < 0 or idx.max() >= len(rows):
                 raise ValueError(f"slot {r.slot}: positions {r.positions} were not rows of the last pass")
-            states += [self.mtp_states[r.slot]] * idx.size
-            hidden.append(streams[idx])
-            tokens += list(r.next_tokens)
+            states += [self.draft_states[r.slot]] * idx.size
+            hidden.append(rows[idx])
             positions += list(r.positions)
         if not requests:
             return []
-        logits, out = self.mtp.rows(states, np.concatenate(hidden), tokens, positions)
+        if self.dspark is not None:
+            return self._dspark_drafts(requests, states, np.concatenate(hidden), positions)
+        return self._mtp_drafts(requests, states, np.concatenate(hidden), positions)
+
+    def _dspark_drafts(self, requests, states, hidden, positions) -> list[np.ndarray]:
+        self.dspark.feed(states, hidden, positions)
+        drafting = [r for r in requests if r.k]
+        out = {}
+        if drafting:
+            block = self.dspark.draft([self.draft_states[r.slot] for r in drafting],
+                                      [r.next_tokens[-1] for r in drafting])
+            out = {r.slot: block.tokens[i, :r.k] for i, r in enumerate(drafting)}
+        return [np.asarray(out.get(r.slot, ()), np.int32) for r in requests]
+
+    def _mtp_drafts(self, requests, states, hidden, positions) -> list[np.ndarray]:
+        """The MTP block over the rows, then k - 1 chained steps per request. The chained steps
+        overwrite MTP window entries that later positions still read (the ring is one window
+        long), so they run on a copy."""
+        tokens = [t for r in requests for t in r.next_tokens]
+        logits, out = self.mtp.rows(states, hidden, tokens, positions)
         drafts, ends = [], np.cumsum([len(r.positions) for r in requests]) - 1
         for r, e in zip(requests, ends):
             d = []
             if r.k:
-                st = self.mtp_states[r.slot]
+                st = self.draft_states[r.slot]
                 kept = st.save()
                 lg, h = logits[e], out[e]
                 for i in range(r.k):
@@ -233,8 +263,10 @@ class NumpyBackend:
         # Overflow is reported per slot (StepResult.non_finite), not as NumPy's warnings.
         with np.errstate(over="ignore", invalid="ignore"):
             out = self.model.step_rows([views[r.slot] for r in rows], [r.token for r in rows],
-                                       [r.position for r in rows], emit, hidden=self.mtp is not None)
-        if self.mtp is not None:
+                                       [r.position for r in rows], emit,
+                                       hidden=self.dspark is None and self.mtp is not None,
+                                       taps=self.dspark.taps if self.dspark is not None else ())
+        if self.drafter is not None:
             out, streams = out
             self.hidden = {}
             for i, r in enumerate(rows):

@@ -188,6 +188,14 @@ def hc_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.nda
     return np.einsum("nk,nkd->nd", pre, streams)
 
 
+def stream_mean(streams: np.ndarray) -> np.ndarray:
+    """(N, hc, d) -> (N, d): the mean of the hyper-connection streams, summed in stream order
+    from +0 then divided by hc (what DSpark reads of its target's layers)."""
+    if _canonical(streams):
+        return canon.seqsum(streams[:, k] for k in range(streams.shape[1])) / np.float32(streams.shape[1])
+    return streams.mean(axis=1)
+
+
 # ---------------------------------------------------------------------------
 # Attention with sinks, grouped output projection (§3.3)
 # ---------------------------------------------------------------------------

@@ -189,6 +189,10 @@ class SeqEngine:
                 missing.append("draft")
             if missing:
                 raise ValueError(f"speculative decoding needs the {backend.name} backend's {', '.join(missing)}")
+            most = getattr(backend, "max_draft_tokens", None)  # DSpark: one block a round
+            if drafter is None and most is not None and speculative_tokens > most:
+                raise ValueError(f"speculative_tokens {speculative_tokens}: the backend's DSpark module "
+                                 f"proposes at most {most} tokens a round (its block size)")
         self.drafter = drafter if drafter is not None else BackendDrafter(backend) if speculative_tokens else None
         self.spec_totals = {"spec_proposed": 0, "spec_accepted": 0, "spec_rounds": 0, "spec_off": 0}
         backend.configure(max_concurrency, n_pages, page_tokens)

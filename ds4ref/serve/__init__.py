@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..backend import DECODE_LANES
 from ..scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
+from ..gguf.version import chat_version
 
 
 def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_concurrency: int = 16,
@@ -19,12 +20,14 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                 numerics: str = "official", api_key: Optional[str] = None,
                 allowed_origins: tuple[str, ...] = (), memory_budget: Optional[int] = None,
                 max_batched_rows: Optional[int] = None, prefix_cache: bool = True, mtp: Optional[str] = None,
-                speculative_tokens: int = 0, max_itl_ms: Optional[float] = DEFAULT_MAX_ITL_MS):
+                speculative_tokens: int = 0, max_itl_ms: Optional[float] = DEFAULT_MAX_ITL_MS,
+                dspark: Optional[str] = None):
     """A ServerState with a stopped Runner (the app's lifespan starts it). prompt_quantum and
     max_itl_ms are the Scheduler's (None: chunked prefill over the whole pass, no inter-token
     budget); max_batched_rows sizes the backend's largest pass and the Scheduler's (None:
     pass_rows' default); prefix_cache the SeqEngine's; mtp: a separate MTP GGUF for the model
-    (ds4ref.load's `mtp`); speculative_tokens: drafts per round (0: off), from its MTP block."""
+    (ds4ref.load's `mtp`); speculative_tokens: drafts per round (0: off), from the model's MTP
+    block, or from `dspark`, a DSpark draft GGUF (ds4ref.load's `dspark`), when given."""
     from ..model import from_file
     from ..paging.plan import summary
     from ..scheduler.scheduler import Scheduler
@@ -34,11 +37,11 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     from .runner import Runner
 
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache, mtp)
+                                  max_batched_rows, prefix_cache, mtp, dspark)
     check_plan(plan, backend, memory_budget)  # before anything is allocated or uploaded
-    model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp)
+    model = from_file(model_file, backend=backend, numerics=numerics, mtp=mtp, dspark=dspark)
     context = plan.context
-    if speculative_tokens and model.mtp is None:
+    if speculative_tokens and model.mtp is None and model.dspark is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
                          f"none; give its MTP file with --mtp FILE")
     rows = pass_rows(backend, model.config, max_batched_rows)
@@ -56,12 +59,13 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     runner = Runner(scheduler, max_pending=max_pending, stall_timeout=stall_timeout, metrics=Metrics())
     name = served_model_name or str(model.metadata.get("general.name", model.config.name))
     state = ServerState(runner=runner, tokenizer=model.tokenizer, model_name=name, max_context=context,
-                        vocab_size=model.config.vocab_size,
+                        vocab_size=model.config.vocab_size, chat_version=chat_version(model.metadata),
                         pool_tokens=engine.pool.n_pages * engine.pool.page_tokens, api_key=api_key or None,
                         allowed_origins=tuple(allowed_origins))
     describe = getattr(engine.backend, "describe", None)
     beside = f"sized to a {max_itl_ms:g} ms inter-token budget" if max_itl_ms else "no inter-token budget"
-    state.banner = (f"ds4ref serving {name!r} from {model.path} on the {backend} backend"
+    release = " (DeepSeek-V4-Flash-0731: its chat template's reasoning efforts)" if state.chat_version == "0731" else ""
+    state.banner = (f"ds4ref serving {name!r}{release} from {model.path} on the {backend} backend"
                     f"{f' [{describe()}]' if describe else ''}: "
                     f"{max_concurrency} lanes, passes of up to {scheduler.max_batched_rows} rows "
                     f"(prompt chunks of up to {scheduler.prompt_quantum}; beside decoders, {beside}), "
@@ -69,7 +73,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
                     f"max queue "
                     f"{'unbounded' if max_queue is None else max_queue}, prefix cache "
                     f"{'on' if engine.cache is not None else 'off'}, speculative decoding "
-                    f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}")
+                    f"{f'{speculative_tokens} drafts a round' if speculative_tokens else 'off'}"
+                    f"{' (DSpark)' if speculative_tokens and model.dspark is not None else ''}")
     state.plan = summary(plan)
     return state
 
@@ -91,7 +96,7 @@ def pass_rows(backend: str, config, max_batched_rows: Optional[int]) -> int:
 
 def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
                kv_pool_tokens: Optional[int], max_context: Optional[int], max_batched_rows: Optional[int] = None,
-               prefix_cache: bool = True, mtp: Optional[str] = None):
+               prefix_cache: bool = True, mtp: Optional[str] = None, dspark: Optional[str] = None):
     """The opened model file (header only) and the memory plan of serving it with these
     flags; refuses bad flag combinations. Reads no tensor data and allocates nothing."""
     from ..gguf.file import open_gguf
@@ -120,12 +125,21 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
         mtp = packaged_mtp(model_file.path)
     if mtp is not None:  # the tensors it reads, not the copies of the model's llama.cpp's MTP file carries
         from ..gguf.mtp import separate_mtp
-        weights += separate_mtp(mtp, model_file.config).stored_bytes()
+        weights += separate_mtp(mtp, model_file.config).stored_bytes()  # sizes only: a dry run reads no tensor
     has_mtp = mtp is not None or model_file.mtp_block is not None
+    draft_config = None
+    if dspark is not None:  # it drafts instead of the MTP block: its weights and a ring a stage a lane
+        from ..gguf.dspark_file import load_dspark
+        if backend == "hip":
+            raise ValueError("--dspark: the hip backend does not run DSpark drafts yet (use --backend numpy)")
+        drafter = load_dspark(dspark, model_file)
+        weights += drafter.stored_bytes()
+        draft_config, has_mtp = drafter.config, True
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
-                     mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None)
+                     mtp_storage=(storage if backend == "hip" else "f32") if has_mtp else None,
+                     draft_config=draft_config)
     if backend == "hip":
         plan = hip_plan(plan, max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES),
                         numerics, has_mtp)
@@ -190,11 +204,12 @@ def check_plan(plan, backend: str, memory_budget: Optional[int]) -> None:
 def dry_run(model_path: Optional[str], backend: str, numerics: str, max_concurrency: int,
             kv_pool_tokens: Optional[int], max_context: Optional[int],
             memory_budget: Optional[int], max_batched_rows: Optional[int] = None,
-            prefix_cache: bool = True, mtp: Optional[str] = None) -> tuple[str, Optional[str]]:
+            prefix_cache: bool = True, mtp: Optional[str] = None,
+            dspark: Optional[str] = None) -> tuple[str, Optional[str]]:
     """(the plan's table, why it does not fit or None): what --dry-run prints."""
     from ..paging.plan import PlanError, table
     model_file, plan = plan_start(model_path, backend, numerics, max_concurrency, kv_pool_tokens, max_context,
-                                  max_batched_rows, prefix_cache, mtp)
+                                  max_batched_rows, prefix_cache, mtp, dspark)
     _, available = available_memory(backend, memory_budget)
     text = (f"ds4ref memory plan for {model_file.config.name!r} ({model_file.path}): {backend} backend, "
             f"{numerics} numerics, {plan.lanes} lanes, context {plan.context} tokens\n" + table(plan, available)

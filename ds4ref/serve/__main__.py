@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp", default=None, metavar="FILE",
                    help="the MTP block of --model, a separate GGUF: llama.cpp's MTP file (its converter's "
                         "--mtp, ds4ref's) or antirez's (mtp.0.*); the embedded model's ships beside it")
+    p.add_argument("--dspark", default=None, metavar="FILE",
+                   help="a DSpark draft GGUF for --model (llama.cpp's dflash file or antirez's DSpark support "
+                        "file): --speculative-tokens K (K <= its block size) then drafts with it (numpy backend)")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy",
                    help="numpy: the exact reference; hip: the GPU fast path")
     p.add_argument("--numerics", choices=("official", "plain"), default="official",
@@ -96,9 +99,9 @@ def parser() -> argparse.ArgumentParser:
                    help="turn off the exact prefix cache (on by default: a prompt that begins with whole KV "
                         "pages of an earlier or running request reuses their state; logits are bitwise the same)")
     p.add_argument("--speculative-tokens", type=non_negative, default=0, metavar="K",
-                   help="speculative decoding: the MTP block drafts K tokens per round and one pass verifies "
-                        "them; output is bitwise that of plain decoding, a sequence whose drafts are rarely "
-                        "accepted stops drafting (needs an MTP block; default 0 = off)")
+                   help="speculative decoding: the MTP block (or --dspark's draft) drafts K tokens per round "
+                        "and one pass verifies them; output is bitwise that of plain decoding, a sequence whose "
+                        "drafts are rarely accepted stops drafting (needs an MTP block or --dspark; default 0 = off)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the memory plan (weights, paged KV history, per-slot state) and exit: 0 if it "
                         "fits, 2 if not; reads no tensor data, allocates nothing, binds no port")
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                             api_key=args.api_key, allowed_origins=origins, memory_budget=args.memory_budget,
                             max_batched_rows=args.max_batched_rows, prefix_cache=args.prefix_cache,
                             mtp=args.mtp, speculative_tokens=args.speculative_tokens,
-                            max_itl_ms=args.max_itl_ms or None)
+                            max_itl_ms=args.max_itl_ms or None, dspark=args.dspark)
     except Exception as e:  # a busy port, a bad flag combination, a missing GPU, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is ''
         return 2
@@ -194,7 +197,8 @@ def _warm_up(state, backend: str) -> None:
     report = report_compiles(lambda line: print(line, flush=True))
     if backend == "numpy":
         engine = state.runner.scheduler.engine
-        seconds = warm_up(engine.backend.model, engine.backend.mtp if engine.speculative_tokens else None,
+        mtp = engine.backend.mtp if engine.speculative_tokens and engine.backend.dspark is None else None
+        seconds = warm_up(engine.backend.model, mtp,
                           state.runner.scheduler.max_batched_rows)
         if report.compiled:
             print(f"numba: {len(report.compiled)} kernels ready in {seconds:.1f} s", flush=True)
@@ -206,7 +210,7 @@ def _dry_run(args) -> int:
     try:
         text, refusal = dry_run(args.model, args.backend, args.numerics, args.max_concurrency, args.kv_pool_tokens,
                                 args.max_context, args.memory_budget, args.max_batched_rows, args.prefix_cache,
-                                args.mtp)
+                                args.mtp, args.dspark)
     except Exception as e:  # a bad flag combination, an unreadable file
         print(f"ds4ref.serve: error: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2

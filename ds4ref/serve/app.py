@@ -51,6 +51,7 @@ class ServerState:
     model_name: str
     max_context: int
     vocab_size: int
+    chat_version: str = "original"     # whose chat rules prompts follow (gguf.version.chat_version)
     banner: str = ""
     plan: str = ""                     # the memory plan's line (paging.plan.summary)
     max_body_bytes: int = MAX_BODY_BYTES
@@ -200,7 +201,8 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
         raise APIError(400, str(e), e.param, e.code) from None
     n_chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages + (tools or []))
     ids = await _tokenize(lambda: encode_chat(state.tokenizer, messages, thinking, tools=tools,
-                                              reasoning_effort=body.reasoning_effort, response_format=schema),
+                                              reasoning_effort=body.reasoning_effort, response_format=schema,
+                                              version=state.chat_version),
                           "messages", n_chars, state)
     return ids, thinking, constraint
 

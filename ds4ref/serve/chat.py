@@ -20,8 +20,10 @@ against that encoder run from a published package. Its rules:
   dropped and every user turn opens `<think>`;
 * tools are described (DSML instructions + JSON schemas) in the first system
   message, inserted empty if the chat has none first (sglang's adapter);
-* `reasoning_effort: "max"` in thinking mode puts a fixed instruction before
-  everything else.
+* in thinking mode, reasoning effort puts a fixed instruction before everything
+  else: the original's template has one, for `max`; DeepSeek-V4-Flash-0731's gives
+  that text to `high` and a new, stronger one to `max` (EFFORT_PROMPTS; the model's
+  version, gguf.version.chat_version, picks the table). Other efforts add nothing.
 
 Control tokens come only from the template. The rendering is a list of
 segments, each the template's own text (structure: BOS, role markers, end of
@@ -39,6 +41,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
+from ..gguf.version import ORIGINAL, V0731, VERSIONS
+
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
 EOS = "<\uff5cend\u2581of\u2581sentence\uff5c>"
 USER = "<\uff5cUser\uff5c>"
@@ -55,8 +59,8 @@ USER_ROLES = ("user", "developer")
 TOOL_ROLES = ("tool", "function")
 ROLES = SYSTEM_ROLES + USER_ROLES + TOOL_ROLES + ("assistant",)
 
-# The exact text the model was trained to read (DeepSeek-V4's encoder); a paraphrase would
-# change the prompt, so these are data, not prose.
+# The exact text the model was trained to read (DeepSeek-V4's encoder and templates); a
+# paraphrase would change the prompt, so these are data, not prose.
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
@@ -64,6 +68,18 @@ REASONING_EFFORT_MAX = (
     "scenarios.\n"
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+REASONING_EFFORT_MAX_0731 = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n")
+# reasoning_effort -> the instruction it puts first in thinking mode, per model version
+EFFORT_PROMPTS: dict[str, dict[str, str]] = {
+    ORIGINAL: {"max": REASONING_EFFORT_MAX},
+    V0731: {"high": REASONING_EFFORT_MAX, "max": REASONING_EFFORT_MAX_0731},
+}
 TOOLS_PROMPT = """## Tools
 
 You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{D}tool_calls>" block like the following:
@@ -309,14 +325,23 @@ def _render_turn(t: Turn, thinking: bool, keep_reasoning: bool) -> list[Segment]
     return reasoning + D(t.text) + calls + ([] if t.prefix else S(EOS))
 
 
-def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[str] = None) -> list[Segment]:
+def effort_prompt(reasoning_effort: Optional[str], version: str = ORIGINAL) -> str:
+    """The instruction `reasoning_effort` puts first in thinking mode for a model of `version`."""
+    if version not in EFFORT_PROMPTS:
+        raise ValueError(f"model version {version!r} is not one of {VERSIONS}")
+    return EFFORT_PROMPTS[version].get(reasoning_effort, "") if reasoning_effort else ""
+
+
+def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[str] = None,
+                 version: str = ORIGINAL) -> list[Segment]:
     drop = not any(t.tools for t in turns)  # with tools, earlier reasoning is kept
     if thinking and drop:
         turns = _drop_earlier_thinking(turns)
     last_user = _last_user(turns)
     out = S(BOS)
-    if thinking and reasoning_effort == "max":
-        out += S(REASONING_EFFORT_MAX)
+    effort = effort_prompt(reasoning_effort, version)
+    if thinking and effort:
+        out += S(effort)
     for i, t in enumerate(turns):
         out += _render_turn(t, thinking, keep_reasoning=not drop or i > last_user)
         followed_by_answer = i + 1 == len(turns) or turns[i + 1].role == "assistant"
@@ -327,8 +352,10 @@ def render_turns(turns: list[Turn], thinking: bool, reasoning_effort: Optional[s
 
 
 def render_segments(messages: Sequence[Any], thinking: bool = False, tools: Optional[Sequence[Mapping]] = None,
-                    reasoning_effort: Optional[str] = None, response_format: Any = None) -> list[Segment]:
-    """Render messages to DS4 prompt segments (structure and data, see the module's docstring).
+                    reasoning_effort: Optional[str] = None, response_format: Any = None,
+                    version: str = ORIGINAL) -> list[Segment]:
+    """Render messages to DS4 prompt segments (structure and data, see the module's docstring)
+    for a model of `version` ("original" or "0731": what reasoning_effort puts first).
 
     The last message must be a user, developer or tool turn (a generation
     prompt follows), or an assistant message marked `prefix: true`, whose text
@@ -347,7 +374,7 @@ def render_segments(messages: Sequence[Any], thinking: bool = False, tools: Opti
         raise ChatTemplateError("the last message must be a user or tool message "
                                 "(or an assistant message with prefix: true to continue it)",
                                 f"messages[{len(messages) - 1}].role")
-    return render_turns(turns, thinking, reasoning_effort)
+    return render_turns(turns, thinking, reasoning_effort, version)
 
 
 def render_chat(messages: Sequence[Any], thinking: bool = False, **kw) -> str:
