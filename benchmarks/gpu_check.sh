@@ -98,10 +98,10 @@ if has backend; then
 import os, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 for numerics in sorted({r[0] for r in rows}):
-    rs = [[int(v) for v in r[1:]] for r in rows if r[0] == numerics]
-    print(f"cross-backend examples passed, {numerics}: {len(rs)} (sequences {sum(r[0] for r in rs)}, "
-          f"longest prompt {max(r[1] for r in rs)}, quanta {sorted({r[2] for r in rs})}, "
-          f"tokens compared {sum(r[3] for r in rs)})")
+    rs = [r[1:] for r in rows if r[0] == numerics]  # sequences, longest prompt, quantum (None: the whole pass), tokens
+    quanta = sorted({int(r[2]) for r in rs if r[2] != "None"}) + (["whole pass"] if any(r[2] == "None" for r in rs) else [])
+    print(f"cross-backend examples passed, {numerics}: {len(rs)} (sequences {sum(int(r[0]) for r in rs)}, "
+          f"longest prompt {max(int(r[1]) for r in rs)}, quanta {quanta}, tokens compared {sum(int(r[3]) for r in rs)})")
 PY
 fi
 if has golden; then
