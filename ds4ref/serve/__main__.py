@@ -41,24 +41,17 @@ def non_negative(text: str) -> int:
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not x >= 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return x
-
-
-def milliseconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not x >= 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return x
+def non_negative_number(unit: str):
+    """An argparse type: a finite number >= 0 of `unit`."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not x >= 0 or x == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+        return x
+    return parse
 
 
 def byte_size(text: str) -> int:
@@ -116,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
                         "long prompt runs in while no request decodes, and the backend's largest pass (the hip "
                         "backend's workspace scales with it); at least --max-concurrency (default: "
                         f"{LONG_PASS_ROWS}, for hip at most what its kernels run: 1024 rows for Flash's 256 experts)")
-    p.add_argument("--max-itl-ms", type=milliseconds, default=DEFAULT_MAX_ITL_MS,
+    p.add_argument("--max-itl-ms", type=non_negative_number("milliseconds"), default=DEFAULT_MAX_ITL_MS,
                    help="inter-token budget: a pass with decoding requests gets the prompt rows whose pass the "
                         "engine's measured cost model predicts within this many ms (at least 16 rows, so prompts "
                         "always advance); 0 = no budget, prompts take every row the decoders leave. Tokens are "
@@ -130,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client may leave output unread before its request is cancelled (0 = never)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to let open requests finish after SIGTERM/SIGINT")
-    p.add_argument("--header-timeout", type=non_negative_float, default=HEADER_TIMEOUT_S,
+    p.add_argument("--header-timeout", type=non_negative_number("seconds"), default=HEADER_TIMEOUT_S,
                    help="seconds a client may take to send a request's line and headers before its connection "
                         "is closed (slowloris; 0 = never)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
