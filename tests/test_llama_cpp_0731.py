@@ -129,12 +129,11 @@ def llama():
     return DSparkLlamaCpp()
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """name -> (0731 model file, its dflash draft, bounds): every kind of 0731 file ds4ref writes."""
+def write_0731_files(d):
+    """name -> (0731 model file, its dflash draft, bounds): every kind of 0731 file ds4ref writes,
+    written into the folder d."""
     from checkpoint_0731 import checkpoint_0731
     from ds4ref.convert.to_gguf import convert
-    d = tmp_path_factory.mktemp("llama-cpp-0731")
     write_tiny(d / "tiny.gguf", tiny_0731_config(), dspark=d / "dflash-tiny.gguf")
     write_tiny(d / "f32.gguf", tiny_0731_config(), dtypes={}, dspark=d / "dflash-f32.gguf")
     ck, _ = checkpoint_0731(d / "ck")
@@ -142,6 +141,11 @@ def written(tmp_path_factory):
     return {"tiny --version 0731": (d / "tiny.gguf", d / "dflash-tiny.gguf", QUANTISED),
             "tiny --version 0731 --all-f32": (d / "f32.gguf", d / "dflash-f32.gguf", FLOAT),
             "convert 0731 --dtype f32": (d / "ck.gguf", d / "dflash-ck.gguf", QUANTISED)}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    return write_0731_files(tmp_path_factory.mktemp("llama-cpp-0731"))
 
 
 @pytest.fixture(scope="module")
