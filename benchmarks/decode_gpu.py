@@ -177,7 +177,7 @@ def main() -> None:
     ctxs = [int(x) for x in args.ctx.split(",")]
     lanes = [int(x) for x in args.lanes.split(",")]
     pages_per_slot = -(-(max(ctxs) + args.reps + 8) // 128)
-    backend.configure(16, 16 * pages_per_slot)
+    backend.configure(16, 16 * pages_per_slot, max_context=128 * pages_per_slot)
     lines, records = [], []
     for ctx in ctxs:
         for C in lanes:

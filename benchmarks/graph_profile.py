@@ -104,7 +104,7 @@ def main() -> None:
     rt, cfg, dw, model, what = make_model(args.full)
     backend = HipBackend(model.config, model.weights, model.numerics, model.tables, runtime=rt, device_weights=dw)
     pages = -(-(max(args.ctx, args.prompt) + 64) // 128)
-    backend.configure(16, 16 * pages)
+    backend.configure(16, 16 * pages, max_context=128 * pages)
     lines = [f"{what}; {rt.info.name}; CUPTI kernel times inside the graph replay, mean of {args.reps} replays", ""]
     for C in [int(c) for c in args.lanes.split(",") if c]:  # --lanes "": the prompt pass only
         bench_case(backend, cfg, C, args.ctx, 2)

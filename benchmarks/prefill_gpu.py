@@ -158,7 +158,7 @@ def main() -> None:
                          runtime=rt, device_weights=dw, prefill_rows=args.chunk)
     prompts = [int(x) for x in args.prompts.split(",") if x]
     longest = max(prompts + [args.itl_prompt + 512])
-    backend.configure(16, 16 * -(-longest // 128))
+    backend.configure(16, 16 * -(-longest // 128), max_context=longest)  # the workspace a lane of `longest` needs
     lines, rec = [], dict(model=what, device=rt.info.name, copy_gbs=bw / 1e9, chunk=args.chunk, prompts=[], itl=[])
     feed_prompt(backend, cfg, 0, 2 * args.chunk, args.chunk, 0)  # capture both buckets' graphs first
     for n in prompts:

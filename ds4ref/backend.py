@@ -138,8 +138,11 @@ class Backend(Protocol):
     name: str
     max_pass_rows: int  # the most rows one pass may hold (the largest capacity)
 
-    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
-        """Allocate storage for n_slots slots and a pool of n_pages pages."""
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS,
+                  max_context: int | None = None) -> None:
+        """Allocate storage for n_slots slots and a pool of n_pages pages, for slots of up to
+        max_context positions (the engine's context limit; None: the model's). A backend may size
+        what grows with a row's keys by it and refuse a row at a position past it."""
 
     def reset_slot(self, slot: int) -> None:
         """Zero the slot's own state and unmap its pages (on admit and on retire). The pages'

@@ -224,18 +224,29 @@ class HostRuntime:
         return self.free, 1 << 40
 
 
-@pytest.mark.parametrize("numerics, compact_kv", [("official", "1"), ("official", "0"), ("plain", "1")])
-def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics, compact_kv, monkeypatch):
+# (numerics, DS4REF_COMPACT_KV, --max-context, --kv-pool-tokens) of the tiny model (4,096 positions):
+# the pool (3 lanes' contexts, or --kv-pool-tokens) larger than one lane's context, the pool
+# smaller than it (a lane reaches the pool's 1,024 positions), and the model's whole context
+HIP_PLANS = [("official", "1", 300, None), ("official", "0", 300, None), ("plain", "1", 300, None),
+             ("official", "1", 1000, 3000), ("official", "1", 2500, 1024), ("official", "1", None, None)]
+
+
+@pytest.mark.parametrize("numerics, compact_kv, max_context, pool", HIP_PLANS)
+def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics, compact_kv, max_context, pool,
+                                                      monkeypatch):
     """The plan's pass workspace is, byte for byte, the block tables, lane fields, RoPE tables and
-    pass buffers configure allocates; paged history exactly and per-slot state at most the plan's;
-    and configure refuses exactly when the plan's state and workspace exceed 95% of free memory.
-    The plan and the backend read one storage rule, DS4REF_COMPACT_KV included."""
+    pass buffers configure allocates for lanes of the plan's context (what SeqEngine passes as
+    max_context); paged history exactly and per-slot state at most the plan's; and configure
+    refuses exactly when the plan's state and workspace exceed 95% of free memory. The plan and
+    the backend read one storage rule, DS4REF_COMPACT_KV included."""
     from ds4ref.hip.backend import HipBackend
     from ds4ref.hip.guards import DeviceMemoryError
     from ds4ref.model import from_file
 
     monkeypatch.setenv("DS4REF_COMPACT_KV", compact_kv)
-    model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, None, 300)
+    model_file, plan = serve.plan_start(str(tiny_model_path), "hip", numerics, 3, pool, max_context)
+    reach = min(plan.context, plan.n_pages * plan.page_tokens)  # positions one lane can hold
+    assert plan.context == (max_context or 4096)
     assert plan.workspace > 0 and plan.workspace_rows == LONG_PASS_ROWS  # the server's lone-prompt pass
     assert plan.storage == ("compact" if (numerics, compact_kv) == ("official", "1") else "f32")
     model = from_file(model_file, numerics=numerics)
@@ -245,11 +256,12 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
                          prefill_rows=plan.workspace_rows)
     assert backend.compact == (plan.storage == "compact")
     assert backend.mtp.bytes_needed(plan.lanes, plan.n_pages, plan.page_tokens, plan.workspace_rows,
-                                    backend.compact) == plan.draft
+                                    backend.compact, plan.context) == plan.draft
     uploaded = rt.allocated
     with pytest.raises(_Recorded):
-        backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
+        backend.configure(plan.lanes, plan.n_pages, plan.page_tokens, max_context=plan.context)
     st = backend.state
+    assert st.context == reach and st.maxp == -(-reach // plan.page_tokens) and backend._rope_rows == reach
     beside_state = (st.btab.nbytes + st.lanes.nbytes + sum(b.nbytes for b in backend.rope_cs.values())
                     + sum(b.nbytes for b in backend._ws.values() if getattr(b, "owned", True)))  # views: no bytes
     assert beside_state == plan.workspace
@@ -269,7 +281,7 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
                              mtp=model.mtp_weights, prefill_rows=plan.workspace_rows)
         uploaded = rt.allocated
         with pytest.raises(_Recorded if fits else DeviceMemoryError):
-            backend.configure(plan.lanes, plan.n_pages, plan.page_tokens)
+            backend.configure(plan.lanes, plan.n_pages, plan.page_tokens, max_context=plan.context)
         assert (rt.allocated > uploaded) == fits  # a refusal allocates nothing
 
 

@@ -53,8 +53,8 @@ from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import check_fits_device, open_device
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
-from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, device_bytes, q8_width,
-                        rope_positions, round_log_lanes, score_capacity, shared_q8_inputs, workspace_sizes)
+from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, check_pass_fits, device_bytes,
+                        q8_width, rope_positions, round_log_lanes, score_capacity, shared_q8_inputs, workspace_sizes)
 
 I32, F32, F64 = np.int32, np.float32, np.float64
 # rows per warp of the v3 routed-expert kernel (1, 2; 4 for bf16), in a decode pass and in a
@@ -161,32 +161,37 @@ class HipBackend:
         plan = f"weights {self.w.bytes / 2**20:.1f} MiB"
         if self.state is not None:
             st = self.state
-            need = DeviceState.bytes_needed(self.cfg, st.n_slots, st.n_pages, st.page_tokens, st.compact)
+            need = DeviceState.bytes_needed(self.cfg, st.n_slots, st.n_pages, st.page_tokens, st.compact, st.context)
             form = "compact FP8/FP4 rows" if st.compact else "float32 rows"
             plan += f", paged state {need / 2**20:.1f} MiB ({st.n_slots} slots, {st.n_pages} pages, {form})"
         return f"{device} ({i.arch}, {self.rt.kind} runtime); {plan}"
 
     # ---- protocol ----------------------------------------------------------------
-    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS,
+                  max_context: int | None = None) -> None:
+        """The protocol's; the block tables, RoPE tables and the pass's indexer scores and attention
+        partials are sized for lanes of up to max_context positions (None: the model's context)."""
         self.rt.bind_thread()
         self._release_state()
         parts = device_bytes(self.cfg, n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact,
-                             self.quantised_products)
+                             self.quantised_products, max_context)
         work = parts["workspace"]
         need = sum(parts.values()) - work
         if self.mtp is not None:
-            need += self.mtp.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact)
+            need += self.mtp.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact,
+                                          max_context)
         check_fits_device(self.rt, need + work, f"{n_slots} slots and {n_pages} pages ({need / 2**30:.2f} GiB "
                           f"of state) and the {self.max_pass_rows}-row pass's workspace")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
         self.state = DeviceState(self.rt, self.cfg, n_slots, n_pages, page_tokens, ratios, self.compact,
-                                 n_lanes=self.max_pass_rows)
-        self._rope_tables(rope_positions(self.cfg, n_pages, page_tokens))
+                                 n_lanes=self.max_pass_rows, max_context=max_context)
+        self._rope_tables(rope_positions(self.cfg, n_pages, page_tokens, max_context))
         self._alloc_workspace()
         # the indexer's score capacity and the attention's key slices: the main model's, also in the
         # MTP layer's program (a ratio-0 layer of the main model runs with these very values)
         self.ncap4 = score_capacity(self.cfg, self.state.maxp, page_tokens)
         self.at_nz = attention_slices(self.cfg, self.state.maxp, page_tokens)
+        self.holds = {"RoPE rows": self._rope_rows, "indexer scores": self.ncap4, "attention slices": self.at_nz}
         self.programs, self.commit_programs = {}, {}
         for L in self.buckets:
             rec = Recorder(self.rt, L)
@@ -200,7 +205,7 @@ class HipBackend:
         self._graphs, self._commit_graphs = {}, {}  # the state moved: capture again on each bucket's next step
         self._streams_at, self._mtp_snapshots, self._last_pass = None, {}, None
         if self.mtp is not None:
-            self.mtp.configure(self, n_slots, n_pages, page_tokens)
+            self.mtp.configure(self, n_slots, n_pages, page_tokens, max_context)
             view = self._layer_view(self.mtp.cfg, self.mtp.w, self.mtp.state)
             for L in self.buckets:
                 rec = Recorder(self.rt, L)
@@ -280,6 +285,8 @@ class HipBackend:
         rows = plan.rows()
         check_rows(rows, st.next_pos, [t.size for t in st.tables], st.page_tokens, self.cfg.vocab_size,
                    self.max_pass_rows)
+        if rows:  # the block tables bound positions by pages; the workspace, by positions
+            check_pass_fits(self.cfg, max(r.position for r in rows), self.holds, st.context)
         order = lane_order([r.slot for r in rows])
         lanes = [rows[i] for i in order]
         fields = lane_fields(lanes, st.ratios, st.n_lanes)

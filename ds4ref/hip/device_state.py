@@ -82,6 +82,15 @@ def lane_fields(rows, ratios: Sequence[int], n_lanes: int = DECODE_LANES) -> np.
     return out
 
 
+def lane_context(cfg, n_pages: int, page_tokens: int, max_context: int | None = None) -> int:
+    """The most positions one slot can hold: the server's context limit (SeqEngine.max_context;
+    None: the model's), within the model's context and the whole pool. Every size that grows
+    with the keys a row can see (block tables, RoPE rows, indexer scores, attention slices)
+    is sized by it, not by the model's context."""
+    context = cfg.context_length if max_context is None else min(int(max_context), cfg.context_length)
+    return max(1, min(context, n_pages * page_tokens))
+
+
 def max_pages_per_slot(n_pages: int, page_tokens: int, context_length: int) -> int:
     """Block-table width: a slot never maps more pages than its context needs."""
     return max(1, min(n_pages, -(-context_length // page_tokens)))
@@ -116,11 +125,12 @@ class DeviceState:
     """All slots' state on the device plus the host mirrors the checks need."""
 
     def __init__(self, rt, cfg, n_slots: int, n_pages: int, page_tokens: int, ratios: Sequence[int],
-                 compact: bool = False, n_lanes: int = DECODE_LANES):
+                 compact: bool = False, n_lanes: int = DECODE_LANES, max_context: int | None = None):
         self.rt, self.cfg, self.compact = rt, cfg, compact
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
-        self.maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+        self.context = lane_context(cfg, n_pages, page_tokens, max_context)  # positions a slot can hold
+        self.maxp = max_pages_per_slot(n_pages, page_tokens, self.context)
         self.ratios = tuple(ratios)  # the ratios whose nvis rows the lanes carry
         self._bufs = []
         self.row_bytes = {kind: row_bytes(cfg, kind, compact) for kind in (ATTN, INDEX)}
@@ -160,9 +170,10 @@ class DeviceState:
         rt.synchronize()
 
     @staticmethod
-    def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int, compact: bool = False) -> int:
+    def bytes_needed(cfg, n_slots: int, n_pages: int, page_tokens: int, compact: bool = False,
+                     max_context: int | None = None) -> int:
         layout = PageLayout(cfg, page_tokens)
-        maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+        maxp = max_pages_per_slot(n_pages, page_tokens, lane_context(cfg, n_pages, page_tokens, max_context))
         storage = "compact" if compact else "f32"
         return n_pages * layout.page_bytes(storage) + n_slots * (layout.slot_bytes(storage) + 4 * maxp)
 
@@ -298,7 +309,7 @@ class DeviceState:
         check_block_table(slot, self.tables[slot], table, self.n_pages)
         if table.size > self.maxp:
             raise ValueError(f"slot {slot}: {table.size} pages exceed the per-slot capacity {self.maxp} "
-                             f"(context {self.cfg.context_length} tokens)")
+                             f"(context {self.context} tokens)")
         old = self.tables[slot]
         self._zero_pages(table[old.size:])  # a pooled page may hold another sequence's rows
         self.tables[slot] = table

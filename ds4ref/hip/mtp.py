@@ -92,11 +92,12 @@ def last_position(requests: Sequence[DraftRequest]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def device_bytes(mcfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool) -> int:
+def device_bytes(mcfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
+                 max_context: int | None = None) -> int:
     """What MTPDevice.configure allocates for the one-layer MTP config mcfg: the rings, the lane
     fields and the pass buffers (the memory plan's 'MTP block' row on hip, and configure's check)."""
     n = max_pass_rows
-    return (DeviceState.bytes_needed(mcfg, n_slots, n_pages, page_tokens, compact) + 4 * n * 16
+    return (DeviceState.bytes_needed(mcfg, n_slots, n_pages, page_tokens, compact, max_context) + 4 * n * 16
             + 4 * n * (4 * mcfg.hc_mult * mcfg.n_embd + 3 * mcfg.n_embd + 1))
 
 
@@ -114,15 +115,18 @@ class MTPDevice:
         self._bufs: dict[str, object] = {}
         self._q8: K.Q8Rows | None = None
 
-    def bytes_needed(self, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool) -> int:
-        return device_bytes(self.cfg, n_slots, n_pages, page_tokens, max_pass_rows, compact)
+    def bytes_needed(self, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
+                     max_context: int | None = None) -> int:
+        return device_bytes(self.cfg, n_slots, n_pages, page_tokens, max_pass_rows, compact, max_context)
 
-    def configure(self, backend, n_slots: int, n_pages: int, page_tokens: int) -> None:
+    def configure(self, backend, n_slots: int, n_pages: int, page_tokens: int,
+                  max_context: int | None = None) -> None:
         """State and buffers for `backend`'s slots and largest pass; the backend records the
         programs (`record`, one per bucket) after this."""
         self.free_state()
         rt, c, n = self.rt, self.cfg, backend.max_pass_rows
-        self.state = DeviceState(rt, c, n_slots, n_pages, page_tokens, (), backend.compact, n_lanes=n)
+        self.state = DeviceState(rt, c, n_slots, n_pages, page_tokens, (), backend.compact, n_lanes=n,
+                                 max_context=max_context)
         hc, d = c.hc_mult, c.n_embd
         for name, width in (("hidden", hc * d), ("hnorm", hc * d), ("hproj", hc * d), ("e", d), ("enorm", d),
                             ("eproj", d)):

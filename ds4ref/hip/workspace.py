@@ -2,7 +2,10 @@
 
 One sizing for both users: configure checks it against free device memory and allocates by it
 (`workspace_sizes`), and the server's memory plan (paging/plan.py, `--dry-run`) adds it to the
-weights and state (`with_pass_workspace`), so the plan and the start-up refusal agree. Pure
+weights and state (`with_pass_workspace`), so the plan and the start-up refusal agree. What grows
+with the keys a row can see (block tables, RoPE rows, indexer scores, attention partials) is
+sized by the context a lane can reach (device_state.lane_context: the server's max_context
+within the pool and the model's context), and `check_pass_fits` refuses a pass past it. Pure
 arithmetic: no device.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from ..gguf.tensors import is_int_tensor, tensor_shapes
 from ..paging.layout import PageLayout
 from ..paging.plan import MemoryPlan
 from . import launch as K
-from .device_state import LANE_FIELDS, DeviceState, max_pages_per_slot
+from .device_state import LANE_FIELDS, DeviceState, lane_context, max_pages_per_slot
 from .device_weights import is_vector
 
 
@@ -44,6 +47,28 @@ def score_capacity(cfg, maxp: int, page_tokens: int) -> int:
 
 def attention_slices(cfg, maxp: int, page_tokens: int) -> int:
     return _blocks(max_keys(cfg, maxp * page_tokens), K.AT3_SPLIT)
+
+
+class WorkspaceError(ValueError):
+    """A pass's rows would read more than the workspace was sized for (raised before any state
+    changes, as the protocol's other checks)."""
+
+
+def lane_needs(cfg, position: int) -> dict[str, int]:
+    """What a lane at `position` reads from the sized buffers: RoPE rows (positions 0..position),
+    indexer scores (its visible ratio-4 rows) and attention key slices (max_keys)."""
+    n = position + 1
+    return {"RoPE rows": n, "indexer scores": n // CSA if CSA in cfg.compress_ratios else 1,
+            "attention slices": _blocks(max_keys(cfg, n), K.AT3_SPLIT)}
+
+
+def check_pass_fits(cfg, last_position: int, holds: dict[str, int], context: int) -> None:
+    """Refuse a pass whose furthest row needs more than `holds` (lane_needs' keys, as configured
+    for lanes of `context` positions)."""
+    for what, need in lane_needs(cfg, last_position).items():
+        if need > holds[what]:
+            raise WorkspaceError(f"a row at position {last_position} needs {need} {what}, but the workspace holds "
+                                 f"{holds[what]} (configured for lanes of {context} positions: max_context)")
 
 
 def matrix_shapes(cfg) -> list[tuple[int, int]]:
@@ -139,23 +164,24 @@ def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
     return {**f32, **i32}
 
 
-def rope_positions(cfg, n_pages: int, page_tokens: int) -> int:
-    """Rows of the RoPE tables: every position the pages can hold."""
-    return min(cfg.context_length, n_pages * page_tokens)
+def rope_positions(cfg, n_pages: int, page_tokens: int, max_context: int | None = None) -> int:
+    """Rows of the RoPE tables: every position a slot can hold."""
+    return lane_context(cfg, n_pages, page_tokens, max_context)
 
 
 def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
-                 quantised_products: bool = False) -> dict[str, int]:
-    """Bytes of everything configure allocates, by part: "state" (pages, per-slot rings and
-    compressor state, block tables: DeviceState.bytes_needed), "lanes" (the per-lane fields),
-    "rope" (cos/sin of both RoPE kinds, f32), "workspace" (the max_pass_rows-lane pass) and
-    "round_log" (COMMIT_INPUTS of every layer, for the buckets of up to ROUND_LANES lanes)."""
-    maxp = max_pages_per_slot(n_pages, page_tokens, cfg.context_length)
+                 quantised_products: bool = False, max_context: int | None = None) -> dict[str, int]:
+    """Bytes of everything configure allocates for lanes of up to max_context positions (None:
+    the model's context), by part: "state" (pages, per-slot rings and compressor state, block
+    tables: DeviceState.bytes_needed), "lanes" (the per-lane fields), "rope" (cos/sin of both
+    RoPE kinds, f32), "workspace" (the max_pass_rows-lane pass) and "round_log" (COMMIT_INPUTS
+    of every layer, for the buckets of up to ROUND_LANES lanes)."""
+    maxp = max_pages_per_slot(n_pages, page_tokens, lane_context(cfg, n_pages, page_tokens, max_context))
     ratios = {r for r in cfg.compress_ratios if r}
     return {
-        "state": DeviceState.bytes_needed(cfg, n_slots, n_pages, page_tokens, compact),
+        "state": DeviceState.bytes_needed(cfg, n_slots, n_pages, page_tokens, compact, max_context),
         "lanes": 4 * (len(LANE_FIELDS) + len(ratios)) * max_pass_rows,
-        "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens),
+        "rope": 2 * 2 * 4 * (cfg.n_rot // 2) * rope_positions(cfg, n_pages, page_tokens, max_context),
         "workspace": 4 * max_pass_rows * sum(workspace_sizes(cfg, max_pass_rows, maxp, page_tokens,
                                                         quantised_products).values()),
         "round_log": 4 * round_log_lanes(max_pass_rows) * cfg.n_layer * sum(
@@ -164,17 +190,40 @@ def device_bytes(cfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_row
 
 
 def pass_workspace(config, lanes: int, n_pages: int, page_tokens: int, max_pass_rows: int, storage: str,
-                   numerics: str) -> int:
-    """What configure allocates beside the paged history and the per-slot state: block tables,
-    lane fields, RoPE tables and the max_pass_rows-row pass's buffers (official numerics' products
-    with quantised weights take int8 activations, whose scratch is part of the workspace)."""
+                   numerics: str, max_context: int | None = None) -> int:
+    """What configure allocates beside the paged history and the per-slot state for lanes of up
+    to max_context positions: block tables, lane fields, RoPE tables and the max_pass_rows-row
+    pass's buffers (official numerics' products with quantised weights take int8 activations,
+    whose scratch is part of the workspace)."""
     layout = PageLayout(config, page_tokens)
     allocated = sum(device_bytes(config, lanes, n_pages, page_tokens, max_pass_rows, storage == "compact",
-                                 numerics == "official").values())
+                                 numerics == "official", max_context).values())
     return allocated - n_pages * layout.page_bytes(storage) - lanes * layout.slot_bytes(storage)
 
 
 def with_pass_workspace(plan: MemoryPlan, max_pass_rows: int, numerics: str) -> MemoryPlan:
-    """The server's memory plan with the hip backend's pass workspace counted."""
+    """The server's memory plan with the hip backend's pass workspace counted, for lanes of the
+    plan's context (what SeqEngine configures the backend with)."""
     return replace(plan, workspace=pass_workspace(plan.config, plan.lanes, plan.n_pages, plan.page_tokens,
-                                                  max_pass_rows, plan.storage, numerics), workspace_rows=max_pass_rows)
+                                                  max_pass_rows, plan.storage, numerics, plan.context),
+                   workspace_rows=max_pass_rows)
+
+
+def flash_table(lanes: int = 16, contexts=(1 << 16, 1 << 20), rows=(256, 1024, 2048)) -> str:
+    """docs/paging.md's table: Flash's pass workspace (compact rows, official numerics) for `lanes`
+    lanes of each context, a pool of lanes x context, sized by the pool's reach up to the model's
+    context (no max_context) and by the lanes' context."""
+    from ..gguf.tiny import flash_config
+    cfg, gib = flash_config(), float(1 << 30)
+    out = [f"| {lanes} lanes x context | sized by | " + " | ".join(f"{r:,} rows" for r in rows) + " |",
+           "|---|---|" + "---|" * len(rows)]
+    for ctx in contexts:
+        n_pages = lanes * -(-ctx // 128)
+        for label, limit in (("the pool (up to the model's context)", None), ("the lanes' context", ctx)):
+            sizes = [pass_workspace(cfg, lanes, n_pages, 128, r, "compact", "official", limit) / gib for r in rows]
+            out.append(f"| {ctx:,} ({n_pages:,} pages) | {label} | " + " | ".join(f"{s:.1f} GiB" for s in sizes) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(flash_table())

@@ -72,7 +72,8 @@ class NumpyBackend:
     def describe(self) -> str:
         return f"NumPy reference ({np.dtype(self.dtype).name}, {self.model.numerics} numerics, {self.storage} KV rows)"
 
-    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS,
+                  max_context: int | None = None) -> None:
         cfg, dt = self.cfg, self.dtype
         self.layout = PageLayout(cfg, page_tokens)
         self.n_slots, self.n_pages = n_slots, n_pages

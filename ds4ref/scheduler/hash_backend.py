@@ -43,7 +43,8 @@ class HashBackend:
         self.vocab_size, self.max_pass_rows, self.draft_accuracy = vocab_size, max_pass_rows, draft_accuracy
         self.passes: list[StepPlan] = []  # every plan seen, for tests to inspect
 
-    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS) -> None:
+    def configure(self, n_slots: int, n_pages: int, page_tokens: int = PAGE_TOKENS,
+                  max_context: int | None = None) -> None:
         self.n_slots, self.n_pages, self.page_tokens = n_slots, n_pages, page_tokens
         self.memory = np.full((n_pages, page_tokens), -1, np.int64)  # token id per (page, offset)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]

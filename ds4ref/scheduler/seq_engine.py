@@ -195,7 +195,7 @@ class SeqEngine:
                                  f"proposes at most {most} tokens a round (its block size)")
         self.drafter = drafter if drafter is not None else BackendDrafter(backend) if speculative_tokens else None
         self.spec_totals = {"spec_proposed": 0, "spec_accepted": 0, "spec_rounds": 0, "spec_off": 0}
-        backend.configure(max_concurrency, n_pages, page_tokens)
+        backend.configure(max_concurrency, n_pages, page_tokens, max_context=self.max_context)
 
     # ---- admission -------------------------------------------------------------
     def refusal(self, request: Request) -> Optional[str]:

@@ -148,7 +148,8 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
 
 def hip_plan(plan, rows: int, numerics: str, has_mtp: bool):
     """The plan with what HipBackend.configure allocates beside the state for a largest pass of
-    `rows` rows: the pass workspace and, with an MTP block, its device state."""
+    `rows` rows and lanes of the plan's context (SeqEngine's max_context): the pass workspace and,
+    with an MTP block, its device state."""
     from dataclasses import replace
     from ..gguf.mtp import mtp_config
     from ..hip.mtp import device_bytes
@@ -156,7 +157,7 @@ def hip_plan(plan, rows: int, numerics: str, has_mtp: bool):
     plan = with_pass_workspace(plan, rows, numerics)
     if has_mtp:
         plan = replace(plan, draft=device_bytes(mtp_config(plan.config), plan.lanes, plan.n_pages, plan.page_tokens,
-                                                rows, plan.storage == "compact"))
+                                                rows, plan.storage == "compact", plan.context))
     return plan
 
 
