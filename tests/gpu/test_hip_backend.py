@@ -180,12 +180,12 @@ def numpy_like(model, hip_backend):
     return NumpyBackend(model.reference, max_pass_rows=hip_backend.max_pass_rows)
 
 
-def run_engine(model, backend, mix, quantum):
+def run_engine(model, backend, mix, quantum, max_context=None):
     reqs = [Request(list(p), n, sampling=smp, ignore_eos=True, req_id=i + 1)
             for i, (p, n, smp, _, _) in enumerate(mix)]
     arrivals = {i: a for i, (_, _, _, a, _) in enumerate(mix)}
     cancels = {i: c for i, (_, _, _, _, c) in enumerate(mix) if c is not None}
-    eng = Engine(model, max_concurrency=16, backend=backend, prompt_quantum=quantum)
+    eng = Engine(model, max_concurrency=16, backend=backend, prompt_quantum=quantum, max_context=max_context)
     tokens = eng.run(reqs, arrivals, cancels)
     seen = [(e.req_id, e.token, e.logprob, e.top_logprobs) for e in eng.events if isinstance(e, TokenEvent)]
     return tokens, seen, [(f.reason, f.completion_tokens) for f in eng.finishes]
@@ -207,6 +207,26 @@ def test_engine_tokens_equal_across_backends(model, rt, shard, case):
         with open(log, "a") as f:
             f.write(f"{model.numerics}\t{len(mix)}\t{max(len(m[0]) for m in mix)}\t{quantum}\t"
                     f"{sum(len(t) for t in got[0])}\n")
+
+
+@settings(max_examples=max(2, CROSS_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=request_mixes(), max_context=st.sampled_from([1200, 1300]))
+def test_a_workspace_sized_by_max_context_gives_the_same_bits(model, rt, case, max_context):
+    """Lanes of a small max_context (below the model's 4,096): the block tables, RoPE tables,
+    indexer scores and attention slices are sized for it (workspace.lane_context), and the
+    tokens and logprobs are the NumPy reference's, as with the model's whole context."""
+    mix, quantum = case
+    dev = hip(model, rt, LONG_PASS_ROWS)
+    want = run_engine(model, numpy_like(model, dev), mix, quantum, max_context)
+    got = run_engine(model, dev, mix, quantum, max_context)
+    assert dev.at_nz < hip_slices_for_model_context(model, dev), "the small context did not shrink the slices"
+    assert got == want, "a backend sized by max_context differs from the reference"
+
+
+def hip_slices_for_model_context(model, dev) -> int:
+    from ds4ref.hip.workspace import attention_slices
+    return attention_slices(model.config, -(-model.config.context_length // dev.state.page_tokens),
+                            dev.state.page_tokens)
 
 
 def test_a_sampled_long_prompt_agrees(model, rt):
