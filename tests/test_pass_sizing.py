@@ -101,17 +101,17 @@ def decoders_then_prompt(eng: Engine, decoders: int, prompt_len: int, new: int =
 
 
 def test_a_prompt_beside_15_decoders_keeps_their_passes_within_the_budget():
-    """H200 Flash costs (16.9 ms + 1.305 ms a lane) and the 200 ms default: the 128-lane bucket is
+    """H200 Flash costs (16.9 ms + 1.305 ms a lane) and a 200 ms budget: the 128-lane bucket is
     predicted at 16.9 + 1.305 * 128 = 183.9 ms and the 256-lane one at 351.0 ms, so a pass holds
     the 15 decode rows and 128 - 15 = 113 prompt rows, every pass until the prompt is done."""
-    eng = Engine(toy(), 16, backend=None, max_itl_ms=DEFAULT_MAX_ITL_MS, pass_cost=FLASH_H200, prefix_cache=False)
+    eng = Engine(toy(), 16, backend=None, max_itl_ms=200.0, pass_cost=FLASH_H200, prefix_cache=False)
     passes, events, reqs = decoders_then_prompt(eng, 15, 3000)
     lanes = eng.seq_engine.backend.bucket
     prompt_rows = []
     for decoding, per, left, _ in passes:
         assert len(decoding) == 15 and all(per.get(s) == 1 for s in decoding), "a decoder missed a pass"
         rows = sum(per.values())
-        assert FLASH_H200.ms(lanes(rows)) <= DEFAULT_MAX_ITL_MS
+        assert FLASH_H200.ms(lanes(rows)) <= 200.0
         prompt_rows.append(rows - 15)
     assert prompt_rows[:-1] == [113] * (len(prompt_rows) - 1) and 0 < prompt_rows[-1] <= 113
     assert sum(prompt_rows) == 3000
