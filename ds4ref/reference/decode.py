@@ -120,16 +120,16 @@ def visible_compressed(lw, cfg, tables, numerics, rows: Rows, il, a, qr, cos, si
     pick = np.nonzero(n > top_k)[0] if ratio == CSA else []
     if len(pick) == 0:
         return out
-    qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick], rows.positions[pick])
+    at = rows.positions[pick] if tap.on() else None  # the picking rows' keys, for the tap only
+    qi, wts = indexer_query(lw, cfg, tables, numerics, a[pick], qr[pick], cos[pick], sin[pick], at)
     for start, stop in rows.runs():
         j = np.nonzero((pick >= start) & (pick < stop))[0]  # this run's picking rows, in qi
         if len(j):
             keys = rows.states[start].get_rows(il, INDEX, int(n[stop - 1]))
             topk = ops.indexer_topk(qi[j], wts[j], keys, n[pick[j]], top_k)
             if tap.on():
-                at = rows.positions[pick[j]]
-                tap.put(lw.prefix, "idx_score", ops.indexer_score_table(qi[j], wts[j], keys, n[pick[j]]), at)
-                tap.put(lw.prefix, "idx_topk", topk, at)
+                tap.put(lw.prefix, "idx_score", ops.indexer_score_table(qi[j], wts[j], keys, n[pick[j]]), at[j])
+                tap.put(lw.prefix, "idx_topk", topk, at[j])
             for i, chosen in zip(pick[j], topk):
                 out[i] = out[i][chosen]
     return out
@@ -181,7 +181,8 @@ def decode_rows(weights, tables: Tables, numerics: str, rows: Rows, emit: np.nda
         if hidden or taps:
             return tuple(np.concatenate([p[j] for p in parts]) for j in range(len(parts[0])))
         return np.concatenate(parts)
-    tap.begin(rows.positions, rows.tokens, rows.positions[emit])
+    if tap.on():
+        tap.begin(rows.positions, rows.tokens, rows.positions[emit])
     streams = embed(weights, rows.tokens, cfg)
     tapped = {}
     for il in range(cfg.n_layer):

@@ -57,12 +57,13 @@ def compressed_mask(cfg, tables, numerics, lw, il, a, qr, cos, sin) -> tuple[np.
         for i in np.nonzero(n_visible > cfg.indexer_top_k)[0]:
             n = n_visible[i]
             scores = ops.indexer_scores(qi[i], wts[i], keys[:n])
+            chosen = ops.topk_lower_index(scores, cfg.indexer_top_k)
             mask[i] = False
-            mask[i, ops.topk_lower_index(scores, cfg.indexer_top_k)] = True
+            mask[i, chosen] = True
             if tap.on():
                 at = np.array([i])
                 tap.put(lw.prefix, "idx_score", scores[None], at)
-                tap.put(lw.prefix, "idx_topk", ops.topk_lower_index(scores, cfg.indexer_top_k)[None], at)
+                tap.put(lw.prefix, "idx_topk", chosen[None], at)
     return rows, mask
 
 
