@@ -60,7 +60,6 @@ HEAD_OPS: tuple[Op, ...] = (
     Op("norm", "(d,)", "float", "output norm"),
     Op("logits", "(vocab,)", "float", "the final logits"),
 )
-ROW_KEYED = {"attn_comp_row", "idx_comp_row", "idx_q", "idx_weights", "idx_score", "idx_topk"}
 OP_OF = {op.name: op for op in LAYER_OPS + HEAD_OPS}
 
 
