@@ -18,6 +18,7 @@ from ds4ref.reference import ops
 from ds4ref.reference.layers import LayerWeights, attention_output, ffn_block, hc
 from ds4ref.scheduler import Request, Sampling
 from ds4ref.scheduler.engine import Engine
+from official64 import hc_head, rms, rope
 from test_speculative import trace  # per request: its token events and its finish
 
 IDS = [5, 77, 300, 12, 9, 401, 33, 250, 18, 64, 100, 7, 222, 91, 3, 480, 17, 58, 199, 2, 45, 310]
@@ -54,21 +55,6 @@ def _draft(model, hidden, anchor, split=None):
 
 
 # ---- the official formulas in float64 ---------------------------------------------------------
-def _rms(x, w, eps):
-    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
-def _rope(v, pos, omega, inverse=False):
-    """Interleaved pairs of the last 2 * len(omega) dims rotated by pos * omega."""
-    th = np.asarray(pos, np.float64)[:, None] * omega[None, :]
-    th = th[:, None, :] if v.ndim == 3 else th
-    c, s = np.cos(th), (-1 if inverse else 1) * np.sin(th)
-    out, n = v.copy(), 2 * len(omega)
-    a, b = v[..., -n::2], v[..., -n + 1::2]
-    out[..., -n::2], out[..., -n + 1::2] = a * c - b * s, a * s + b * c
-    return out
-
-
 def _float64_dspark(m64, hidden, anchor):
     """The official DSpark formulas in float64, written out here for what is DSpark's own (main_proj
     and main_norm, each stage's window rows from them, the block's attention over window + block
@@ -81,20 +67,20 @@ def _float64_dspark(m64, hidden, anchor):
     omega = m64.reference.tables.omega(0).astype(np.float64)
     official = m64.numerics == "official"
     p = len(hidden) - 1
-    main_x = _rms(hidden @ g(0, "main_proj.weight").T, g(0, "main_norm.weight"), eps)
+    main_x = rms(hidden @ g(0, "main_proj.weight").T, g(0, "main_norm.weight"), eps)
     ctx = np.arange(max(0, p - W + 1), p + 1)
     block_pos = p + 1 + np.arange(B)
     tokens = np.array([anchor] + [dc.noise_token_id] * (B - 1))
     x = np.repeat(m64.weights.get("token_embd.weight")[tokens][:, None], sc.hc_mult, axis=1)
     for s in range(dc.n_stages):
         lw = LayerWeights(w, s, m64.numerics, prefix=f"mtp.{s}.")
-        window = _rope(_rms(main_x[ctx] @ g(s, "attn_kv.weight").T, g(s, "attn_kv_a_norm.weight"), eps), ctx, omega)
+        window = rope(rms(main_x[ctx] @ g(s, "attn_kv.weight").T, g(s, "attn_kv_a_norm.weight"), eps), ctx, omega)
         u, post, comb = hc(lw, "attn", sc, x)
-        a = _rms(u, g(s, "attn_norm.weight"), eps)
-        q = (_rms(a @ g(s, "attn_q_a.weight").T, g(s, "attn_q_a_norm.weight"), eps)
+        a = rms(u, g(s, "attn_norm.weight"), eps)
+        q = (rms(a @ g(s, "attn_q_a.weight").T, g(s, "attn_q_a_norm.weight"), eps)
              @ g(s, "attn_q_b.weight").T).reshape(B, sc.n_head, sc.head_dim)
-        q = _rope(q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True) + eps), block_pos, omega)
-        kv = _rope(_rms(a @ g(s, "attn_kv.weight").T, g(s, "attn_kv_a_norm.weight"), eps), block_pos, omega)
+        q = rope(q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True) + eps), block_pos, omega)
+        kv = rope(rms(a @ g(s, "attn_kv.weight").T, g(s, "attn_kv_a_norm.weight"), eps), block_pos, omega)
         if official:
             window, kv = ops.fp8sim(window, sc.n_rot), ops.fp8sim(kv, sc.n_rot)
         keys = np.concatenate([window, kv])  # every block row sees the window and the whole block
@@ -103,15 +89,13 @@ def _float64_dspark(m64, hidden, anchor):
         mx = np.maximum(z.max(-1, keepdims=True), sink)
         e = np.exp(z - mx)
         o = (e @ keys) / (np.exp(sink - mx) + e.sum(-1, keepdims=True))
-        o = _rope(o, block_pos, omega, inverse=True)
+        o = rope(o, block_pos, omega, inverse=True)
         cos0, sin0 = np.ones((B, len(omega))), np.zeros((B, len(omega)))  # already un-rotated above
         x = ops.hc_post(x, attention_output(lw, sc, o, cos0, sin0), post, comb)
         x = ffn_block(lw, sc, s, x, tokens)
-    f = x.reshape(B, -1)
-    m = (f @ g(last, "hc_head_fn.weight").T) / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + eps)
-    pre = 1 / (1 + np.exp(-(m * g(last, "hc_head_scale.weight")[0] + g(last, "hc_head_base.weight")))) + sc.hc_eps
-    h = np.einsum("nk,nkd->nd", pre, x)
-    base = _rms(h, g(last, "norm.weight"), eps) @ m64.weights.get("output.weight").T
+    h = hc_head(x, g(last, "hc_head_fn.weight"), g(last, "hc_head_scale.weight"), g(last, "hc_head_base.weight"),
+                eps, sc.hc_eps)
+    base = rms(h, g(last, "norm.weight"), eps) @ m64.weights.get("output.weight").T
     drafts, logits, conf, prev = [], [], [], anchor
     for i in range(B):
         e = g(last, "markov_head.markov_w1.weight")[prev]

@@ -16,6 +16,7 @@ from ds4ref.reference.decode import block
 from ds4ref.reference.layers import LayerWeights
 from ds4ref.reference.mtp import MTPState
 from ds4ref.reference.state import SeqState
+from official64 import hc_head, rms
 
 IDS = [5, 77, 300, 12, 9, 401, 33, 250, 18, 64, 100, 7, 222, 91, 3, 480, 17, 58, 199, 2]
 
@@ -36,10 +37,6 @@ def _drafts(model, ids):
     return model.mtp.rows([ms] * (len(ids) - 1), hidden[:-1], ids[1:], np.arange(len(ids) - 1))
 
 
-def _rms(x, w, eps):
-    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
 def _float64_mtp(model64, hidden, tokens):
     """The official MTPBlock formulas in float64, written out here for what is the MTP's own
     (enorm/hnorm, e_proj + h_proj per stream, hc_head with its own weights, norm, shared head);
@@ -47,8 +44,8 @@ def _float64_mtp(model64, hidden, tokens):
     mw, cfg = model64.mtp.weights, model64.mtp.config
     g = lambda s: mw.get(PREFIX + s)
     eps = cfg.rms_eps
-    e = _rms(model64.weights.get("token_embd.weight")[tokens], g("enorm.weight"), eps)
-    h = _rms(hidden, g("hnorm.weight"), eps)
+    e = rms(model64.weights.get("token_embd.weight")[tokens], g("enorm.weight"), eps)
+    h = rms(hidden, g("hnorm.weight"), eps)
     x = np.einsum("nkd,od->nko", h, g("h_proj.weight")) + (e @ g("e_proj.weight").T)[:, None]
     states = [SeqState(cfg, np.float64)]
     out = []
@@ -57,11 +54,9 @@ def _float64_mtp(model64, hidden, tokens):
         rows = Rows.of(states, [tokens[i]], [i])
         out.append(block(LayerWeights(mw, 0, model64.numerics, PREFIX), cfg, model64.reference.tables,
                          model64.numerics, rows, 0, x[i:i + 1]))
-    s = np.concatenate(out)
-    f = s.reshape(len(s), -1)
-    m = (f @ g("hc_head_fn.weight").T) / np.sqrt(np.mean(f * f, axis=-1, keepdims=True) + eps)
-    pre = 1 / (1 + np.exp(-(m * g("hc_head_scale.weight")[0] + g("hc_head_base.weight")))) + cfg.hc_eps
-    y = _rms(np.einsum("nk,nkd->nd", pre, s), g("norm.weight"), eps)
+    s = hc_head(np.concatenate(out), g("hc_head_fn.weight"), g("hc_head_scale.weight"), g("hc_head_base.weight"),
+                eps, cfg.hc_eps)
+    y = rms(s, g("norm.weight"), eps)
     return y @ model64.weights.get("output.weight").T
 
 
