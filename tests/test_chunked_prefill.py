@@ -25,10 +25,10 @@ from ds4ref.numerics.canon import PARALLEL_ROWS
 from ds4ref.scheduler.pass_cost import LONG_PASS_ROWS, PassCost
 from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
-from ds4ref.scheduler import Request, Sampling, TokenEvent
+from ds4ref.scheduler import Request, Sampling
 from ds4ref.scheduler.hash_backend import reference_tokens
 from test_batch_invariance import engine, logits_by_request, prompt
-from test_scheduler import VOCAB, toy_model
+from test_scheduler import VOCAB, tokens_of, toy_model
 from test_scheduler import prompt as hash_prompt
 
 CFG = ds4ref.load().config
@@ -251,8 +251,7 @@ def test_a_long_prompt_never_stalls_the_decoders(spare):
     assert shared, "the long prompt never shared a pass with decoders"
     assert sch.stats()["preemptions"] == 0
     for r in reqs:
-        got = [e.token for e in events if isinstance(e, TokenEvent) and e.req_id == r.req_id]
-        assert got == reference_tokens(r.prompt_ids, r.max_new_tokens, VOCAB)
+        assert tokens_of(events, r) == reference_tokens(r.prompt_ids, r.max_new_tokens, VOCAB)
 
 
 def test_max_batched_rows_outside_its_range_is_refused():

@@ -9,8 +9,6 @@ solo tokens. The learned cost model is checked against passes timed on a fake cl
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
@@ -18,19 +16,19 @@ from ds4ref.backend import DECODE_LANES
 from ds4ref.gguf.tiny import flash_config
 from ds4ref.hip.backend import capacity_buckets
 from ds4ref.hip.launch import largest_pass
-from ds4ref.scheduler import FinishEvent, Request, TokenEvent
+from ds4ref.scheduler import FinishEvent, Request
 from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler.hash_backend import HashBackend, reference_tokens
 from ds4ref.scheduler.pass_cost import (DEFAULT_MAX_ITL_MS, FLASH_H200, LONG_PASS_ROWS, MIN_PROMPT_ROWS,
                                         MeasuredPassCost, PassCost)
-from test_scheduler import VOCAB, EOS, check_balanced, prompt
+from test_scheduler import VOCAB, check_balanced, prompt, tokens_of, toy_model
 
 
 class BucketedHash(HashBackend):
     """HashBackend padding each pass to HipBackend's capacity buckets, as HipBackend reports them."""
 
-    def __init__(self, max_pass_rows: int):
-        super().__init__(VOCAB, max_pass_rows)
+    def __init__(self, vocab_size: int, max_pass_rows: int):
+        super().__init__(vocab_size, max_pass_rows)
         self.buckets = capacity_buckets(max_pass_rows)
 
     def bucket(self, n_rows: int) -> int:
@@ -38,10 +36,8 @@ class BucketedHash(HashBackend):
 
 
 def toy(max_pass_rows: int = LONG_PASS_ROWS, bucketed: bool = True):
-    cfg = SimpleNamespace(eos_id=EOS, vocab_size=VOCAB, context_length=8192)
-    make = (lambda name=None: BucketedHash(max_pass_rows)) if bucketed else \
-        (lambda name=None: HashBackend(VOCAB, max_pass_rows))
-    return SimpleNamespace(config=cfg, make_backend=make)
+    backend = BucketedHash if bucketed else HashBackend
+    return toy_model(8192, lambda vocab: backend(vocab, max_pass_rows))
 
 
 def largest_share(cost, lanes, decode_rows: int, rows_left: int, budget: float) -> int:
@@ -55,10 +51,6 @@ def admit_now(sch) -> None:
     is planned from can be read (admission is FIFO and idempotent)."""
     with sch._lock:
         sch._admit()
-
-
-def tokens_of(events, r: Request) -> list[int]:
-    return [e.token for e in events if isinstance(e, TokenEvent) and e.req_id == r.req_id]
 
 
 def check_solo(events, reqs) -> None:
@@ -232,7 +224,7 @@ class Clocked(BucketedHash):
     """A pass advances a fake clock by `law`'s time for its bucket: the engine's timing, without time."""
 
     def __init__(self, max_pass_rows: int, law: PassCost):
-        super().__init__(max_pass_rows)
+        super().__init__(VOCAB, max_pass_rows)
         self.law, self.now = law, 0.0
 
     def step(self, plan):
@@ -246,7 +238,7 @@ def test_the_scheduler_learns_the_cost_from_the_passes_it_times():
     one (133 ms; predicted 69 + 128 * 69 / 128 = 138)."""
     law = PassCost(5.0, 0.5)
     backend = Clocked(LONG_PASS_ROWS, law)
-    model = SimpleNamespace(config=toy().config, make_backend=lambda name=None: backend)
+    model = toy_model(8192, lambda vocab: backend)
     eng = Engine(model, 16, max_itl_ms=100.0, prefix_cache=False)
     eng.scheduler.clock = lambda: backend.now
     passes, events, reqs = decoders_then_prompt(eng, 15, 4000)

@@ -27,6 +27,11 @@ def prompt(n, salt=0):
     return [(7 * i + 3 * salt) % (VOCAB - 2) + 2 for i in range(n)]
 
 
+def tokens_of(events, r: Request) -> list[int]:
+    """The tokens `events` hold for request r, in order."""
+    return [e.token for e in events if isinstance(e, TokenEvent) and e.req_id == r.req_id]
+
+
 def expected(req: Request) -> tuple[list[int], str]:
     """Greedy solo continuation with the request's stop rules applied."""
     out = []
