@@ -223,6 +223,15 @@ class DS4Config:
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.n_hash_layers
 
+    def draft_layers(self, n: int, clamp: float | None = None) -> "DS4Config":
+        """A draft module's blocks as a model of n layers of this model's sizes (gguf.mtp's MTP
+        block, gguf.dspark's stages): sliding-window layers only (ratio 0), routed by learned
+        scores (no hash layers), each with the SwiGLU clamp `clamp` (default this model's last
+        layer's); versioned original, as the blocks carry no draft stages of their own."""
+        clamp = self.swiglu_clamp[-1] if clamp is None else float(clamp)
+        return dataclasses.replace(self, n_layer=n, compress_ratios=(0,) * n, swiglu_clamp=(clamp,) * n,
+                                   n_hash_layers=0, version=ORIGINAL, extra={})
+
     # ---- checks --------------------------------------------------------
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:

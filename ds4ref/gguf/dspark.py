@@ -13,13 +13,12 @@ checkpoint's differ only in the block's (convert.hf.LAYER_NAMES) and the hc head
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .config import ARCH, DS4Config
 from .tensors import layer_tensor_shapes
-from .version import DSPARK_STAGES, ORIGINAL
+from .version import DSPARK_STAGES
 from .weights import WeightsError
 
 PREFIX = "mtp."
@@ -130,13 +129,11 @@ class DSparkConfig:
 
 
 def stage_config(cfg: DS4Config, dcfg: DSparkConfig, clamp: float | None = None) -> DS4Config:
-    """The draft's stages as a config of n_stages layers: the target's sizes, the 128-token
-    sliding window only (ratio 0: the official DSparkAttention), routed by learned scores (no
-    hash layers), the SwiGLU clamp `clamp` (default the target's last layer's, swiglu_limit)."""
-    n = dcfg.n_stages
-    clamp = cfg.swiglu_clamp[-1] if clamp is None else float(clamp)
-    return dataclasses.replace(cfg, n_layer=n, compress_ratios=(0,) * n, swiglu_clamp=(clamp,) * n,
-                               n_hash_layers=0, version=ORIGINAL, extra={})
+    """The draft's stages as a config of n_stages layers (DS4Config.draft_layers): the target's
+    sizes, the 128-token sliding window only (ratio 0: the official DSparkAttention), routed by
+    learned scores (no hash layers), the SwiGLU clamp `clamp` (default the target's last layer's,
+    swiglu_limit)."""
+    return cfg.draft_layers(dcfg.n_stages, clamp)
 
 
 def own_name(suffix: str, stage: int, dcfg: DSparkConfig) -> str:

@@ -21,7 +21,6 @@ so it is a sliding-window layer on the main RoPE table, routed by learned scores
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Mapping
 
@@ -59,14 +58,13 @@ class MTPError(WeightsError):
 
 
 def mtp_config(cfg: DS4Config, ratio: int = 0, clamp: float | None = None) -> DS4Config:
-    """The MTP block as a one-layer config: the main config's sizes, the MTP layer's ratio
-    and SwiGLU clamp, no hash routing (the official MTP layer id is n_layers >= n_hash_layers)."""
+    """The MTP block as a one-layer config (DS4Config.draft_layers): the main config's sizes, the
+    MTP layer's ratio and SwiGLU clamp, no hash routing (the official MTP layer id is n_layers >=
+    n_hash_layers)."""
     if ratio != 0:
         raise MTPError(f"MTP layer compress ratio {ratio}: only 0 (sliding window, as the published "
                        f"compress_ratios' last entry says) is supported")
-    clamp = cfg.swiglu_clamp[-1] if clamp is None else float(clamp)
-    return dataclasses.replace(cfg, n_layer=1, compress_ratios=(0,), swiglu_clamp=(clamp,), n_hash_layers=0,
-                               extra={})
+    return cfg.draft_layers(1, clamp)
 
 
 def mtp_tensor_shapes(mcfg: DS4Config) -> dict[str, tuple[int, ...]]:
