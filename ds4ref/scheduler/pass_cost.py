@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from ..backend import DECODE_LANES
 
-LONG_PASS_ROWS = 2048  # a lone prompt's pass when serving: 2048 rows x top-6 of 256 experts = 48 rows an expert
+# a lone prompt's pass when serving; the hip backend's is at most hip.launch.largest_pass (Flash: 1024
+# rows, x top-6 of 256 experts = 24 rows an expert, where a 256-row pass gives it 6)
+LONG_PASS_ROWS = 2048
 DEFAULT_MAX_ITL_MS = 150.0  # docs/scheduler.md "How passes are sized" says why (measured on the H200)
 MIN_PROMPT_ROWS = DECODE_LANES  # prompt rows a pass beside decoders holds at least: prompts never starve
 
