@@ -43,7 +43,8 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     context = plan.context
     if speculative_tokens and model.mtp is None and model.dspark is None:
         raise ValueError(f"--speculative-tokens {speculative_tokens} needs an MTP block: {model.path} carries "
-                         f"none; give its MTP file with --mtp FILE")
+                         f"none; give its MTP file with --mtp FILE (or, for DeepSeek-V4-Flash-0731, its DSpark "
+                         f"draft with --dspark FILE)")
     rows = pass_rows(backend, model.config, max_batched_rows)
     device = model.make_backend(backend, max(rows, DECODE_LANES))
     if backend == "hip" and max_batched_rows is None:  # the default pass: as large as the device holds
