@@ -569,14 +569,7 @@ def _convert_dspark(hf_dir: Path, cfg: DS4Config, sources, out, dspark_out, dtyp
     except ConvertError as exc:
         raise ConvertError(f"the checkpoint's DSpark draft (mtp.0..{dcfg.last}, planned as blocks {cfg.n_layer}.."
                            f"{cfg.n_layer + dcfg.last}): {exc}") from None
-    main = {n: t for n, t in tensors.items() if n in tensor_shapes(cfg)}
-    draft = {}
-    for n, t in tensors.items():
-        if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layer:
-            stage = int(n.split(".")[1]) - cfg.n_layer
-            draft[f"mtp.{stage}.{n.split('.', 2)[2]}"] = t
-        elif n in shapes:
-            draft[n] = t
+    main, draft = _split_draft(cfg, tensors)
     target = fingerprint(np.asarray(copy.copy(main["output_norm.weight"]), np.float32))
     write_gguf(out, cfg, _with_progress(main), tokenizer_meta=tokenizer, dtypes=dtypes, extra_meta=extra)
     draft = _with_progress(draft)
@@ -592,12 +585,9 @@ def with_dspark(cfg: DS4Config, dcfg) -> tuple[DS4Config, dict[str, str], dict[s
     tensors, source prefix of each stage -> its layer), for planning the draft (gguf.dspark)."""
     from ..gguf.dspark import OWN, own_name, stage_config
     from .hf import official_dspark_names
-    n, scfg = dcfg.n_stages, stage_config(cfg, dcfg)
-    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + n, compress_ratios=cfg.compress_ratios + scfg.compress_ratios,
-                              swiglu_clamp=cfg.swiglu_clamp + scfg.swiglu_clamp, version=ORIGINAL)
     official = official_dspark_names(cfg, dcfg)
     own = {official[own_name(suffix, stage, dcfg)]: own_name(suffix, stage, dcfg) for suffix, stage, _ in OWN}
-    return ext, own, {f"mtp.{s}.": cfg.n_layer + s for s in range(n)}
+    return _after_layers(cfg, stage_config(cfg, dcfg)), own, {f"mtp.{s}.": cfg.n_layer + s for s in range(dcfg.n_stages)}
 
 
 def _with_mtp_block(cfg: DS4Config, sources: dict[str, SourceTensor]) -> tuple[dict, dict]:
@@ -609,24 +599,41 @@ def _with_mtp_block(cfg: DS4Config, sources: dict[str, SourceTensor]) -> tuple[d
     except ConvertError as exc:
         raise ConvertError(f"the checkpoint has {MTP_SRC}* tensors (the MTP block, planned as block "
                            f"{cfg.n_layer}): {exc}") from None
-    layer = f"blk.{cfg.n_layer}."
-    block = {(MTP_PREFIX + n[len(layer):] if n.startswith(layer) else n): t for n, t in tensors.items()
-             if n.startswith(layer) or n.startswith(MTP_PREFIX)}
-    return {n: t for n, t in tensors.items() if n in tensor_shapes(cfg)}, block
+    return _split_draft(cfg, tensors)
 
 
 def with_mtp(cfg: DS4Config) -> tuple[DS4Config, dict[str, str]]:
     """(cfg with the MTP block as one more layer, source key -> `mtp.0.*` name of the MTP's own
     tensors), for planning the block beside the model's layers (docs/mtp.md)."""
-    mcfg = mtp_config(cfg)
-    ext = dataclasses.replace(cfg, n_layer=cfg.n_layer + 1, compress_ratios=cfg.compress_ratios + mcfg.compress_ratios,
-                              swiglu_clamp=cfg.swiglu_clamp + mcfg.swiglu_clamp)
+    ext = _after_layers(cfg, mtp_config(cfg))
     own = {}
     for suffix in MTP_OWN:
         src = MTP_SRC + (suffix if suffix.endswith("proj.weight") or suffix.endswith("norm.weight")
                          else suffix.removesuffix(".weight"))
         own[src] = MTP_PREFIX + suffix
     return ext, own
+
+
+def _after_layers(cfg: DS4Config, draft: DS4Config) -> DS4Config:
+    """cfg with a draft module's blocks (draft: DS4Config.draft_layers) as more layers after its own."""
+    return dataclasses.replace(cfg, n_layer=cfg.n_layer + draft.n_layer,
+                               compress_ratios=cfg.compress_ratios + draft.compress_ratios,
+                               swiglu_clamp=cfg.swiglu_clamp + draft.swiglu_clamp, version=ORIGINAL)
+
+
+def _split_draft(cfg: DS4Config, tensors: dict) -> tuple[dict, dict]:
+    """(the model's tensors, the draft's by our `mtp.S.*` names) of tensors planned by
+    _after_layers: block n_layer + S is the draft's block S; its own tensors have our names."""
+    model, main, draft = tensor_shapes(cfg), {}, {}
+    for n, t in tensors.items():
+        if n in model:
+            main[n] = t
+        elif n.startswith("blk."):
+            _, layer, suffix = n.split(".", 2)
+            draft[f"mtp.{int(layer) - cfg.n_layer}.{suffix}"] = t
+        elif n.startswith("mtp."):
+            draft[n] = t
+    return main, draft
 
 
 def own_shapes(cfg: DS4Config) -> dict[str, tuple[int, ...]]:
