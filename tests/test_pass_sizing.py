@@ -290,8 +290,8 @@ def test_the_hip_plan_follows_the_largest_pass(tiny_model_path):
 
 def test_the_default_hip_pass_is_the_largest_the_device_holds(tiny_model_path):
     """The server's default pass halves from LONG_PASS_ROWS until the plan's state and workspace
-    fit 95% of the free device memory, as HipBackend.configure checks them; PREFILL_ROWS (the
-    pass it used to start with) when none does."""
+    fit 95% of the free device memory, as HipBackend.configure checks them; PREFILL_ROWS when
+    none does."""
     from ds4ref import serve
     _, plan = serve.plan_start(str(tiny_model_path), "hip", "official", 16, None, None)
     need = {rows: (lambda p: p.paged + p.slots + p.workspace + p.draft)(serve.hip_plan(plan, rows, "official", True))
@@ -308,6 +308,6 @@ def test_a_budget_and_cost_are_checked():
         Engine(toy(), 1, max_itl_ms=0.0)
     with pytest.raises(ValueError, match="row_ms"):
         PassCost(1.0, 0.0)
-    assert Engine(toy(), 1).scheduler.pass_cost is None  # no budget: nothing timed, today's schedule
+    assert Engine(toy(), 1).scheduler.pass_cost is None  # no budget: nothing timed
     assert isinstance(Engine(toy(), 1, max_itl_ms=50.0).scheduler.pass_cost, MeasuredPassCost)
     assert DECODE_LANES == MIN_PROMPT_ROWS
