@@ -70,8 +70,8 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
                        kind: str | None = None) -> None:
     """Raise DraftTargetError when the draft (its metadata, file path and, if given, its tensor
     directory: an object with `.tensors` and `.read`) does not belong to `model_file`."""
-    names = list(getattr(draft_tensors, "tensors", {}) or {})
-    kind = kind or draft_kind(draft_meta, names)
+    tensors = getattr(draft_tensors, "tensors", None) or {}
+    kind = kind or draft_kind(draft_meta, tensors)
     target, cfg = model_file.path, model_file.config
     where = f"{kind} draft {draft_path} belongs to another model than {target}"
 
@@ -96,8 +96,7 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
                    f"(none of 0731's signs: compress_ratios with 3 DSpark entries, 0731's chat template, "
                    f"'0731' in general.name)")
         try:
-            dcfg = DSparkConfig.from_metadata(draft_meta, {n: t.shape for n, t in
-                                                           (getattr(draft_tensors, "tensors", {}) or {}).items()})
+            dcfg = DSparkConfig.from_metadata(draft_meta, {n: t.shape for n, t in tensors.items()})
         except DSparkError as exc:
             refuse(str(exc))
         beyond = [i for i in dcfg.target_layers if i >= cfg.n_layer]
@@ -108,7 +107,7 @@ def check_draft_target(draft_meta: Mapping[str, Any], draft_path, model_file, dr
             refuse(f"its noise token {dcfg.noise_token_id} is outside the model's vocabulary of {cfg.vocab_size}")
 
     recorded = draft_meta.get(TARGET_FINGERPRINT)
-    copy = draft_tensors.tensors.get(FINGERPRINT_TENSOR) if kind == MTP and draft_tensors is not None else None
+    copy = tensors.get(FINGERPRINT_TENSOR) if kind == MTP else None
     if recorded is not None or copy is not None:
         ours = target_fingerprint(model_file)
         if recorded is not None and recorded != ours:
