@@ -87,22 +87,18 @@ def make_plan(config: DS4Config, weights: int, lanes: int, context: int, kv_pool
               storage: str, page_tokens: int = PAGE_TOKENS, prefix_cache: bool = True,
               mtp_storage: Optional[str] = None, draft_config: Optional[DS4Config] = None) -> MemoryPlan:
     """mtp_storage: how the backend holds the draft module's window rows (None: no draft module);
-    draft_config: DSpark's stages (gguf.dspark, a window ring a stage), else the MTP block's one layer."""
+    draft_config: DSpark's stages (gguf.dspark, a window ring a stage), else the MTP block's one layer
+    (gguf.mtp). A lane's draft state is that config's fixed slot state."""
     mtp_slot = 0
     if mtp_storage:
-        mtp_slot = (PageLayout(draft_config, page_tokens).slot_bytes(mtp_storage) if draft_config is not None
-                    else mtp_slot_bytes(config, mtp_storage, page_tokens))
+        from ..gguf.mtp import mtp_config
+        layers = draft_config if draft_config is not None else mtp_config(config)
+        mtp_slot = PageLayout(layers, page_tokens).slot_bytes(mtp_storage)
     return MemoryPlan(config, weights, lanes, context,
                       pool_pages(lanes, context, kv_pool_tokens, page_tokens), storage, page_tokens,
                       snapshots=SNAPSHOTS_PER_SLOT * lanes if prefix_cache else 0,
                       mtp_slot=mtp_slot, draft=lanes * mtp_slot, round_snapshots=lanes if mtp_storage else 0,
                       drafter="DSpark draft" if draft_config is not None else "MTP block")
-
-
-def mtp_slot_bytes(config: DS4Config, storage: str, page_tokens: int = PAGE_TOKENS) -> int:
-    """One lane's MTP window ring: the one-layer MTP config's fixed slot state (gguf.mtp)."""
-    from ..gguf.mtp import mtp_config
-    return PageLayout(mtp_config(config), page_tokens).slot_bytes(storage)
 
 
 def weight_bytes(model_file) -> int:
