@@ -5,7 +5,7 @@
 # benchmarks/device_wheels.txt, fetched by benchmarks/fetch_device_wheels.sh); the tiny policy
 # files are generated there, byte-identical to the goldens' (tests/test_tiny.py checks):
 #   bash benchmarks/gpu_check.sh
-# STAGES picks any of fresh,build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill,prefix,profile,spec,launch
+# STAGES picks any of fresh,build,ops,backend,draft,golden,serve,decode,prefill,hf,full,fullprefill,prefix,profile,spec,launch
 # (default: all but fresh, prefix, profile, spec and launch; on ROCm also without hf). Logs and tables land
 # under $OUT, and $OUT/report.md gathers them (the device tool brings $OUT back).
 set -u -o pipefail
@@ -26,9 +26,9 @@ if [ -z "${DS4REF_GPU_RUNTIME:-}" ]; then
 fi
 export DS4REF_GPU_RUNTIME
 if [ "$DS4REF_GPU_RUNTIME" = hip ]; then
-  STAGES=${STAGES:-build,ops,backend,golden,serve,decode,prefill,full,fullprefill}
+  STAGES=${STAGES:-build,ops,backend,draft,golden,serve,decode,prefill,full,fullprefill}
 else
-  STAGES=${STAGES:-build,ops,backend,golden,serve,decode,prefill,hf,full,fullprefill}
+  STAGES=${STAGES:-build,ops,backend,draft,golden,serve,decode,prefill,hf,full,fullprefill}
 fi
 # Stage time limits are the H200's; a Strix Halo's memory is about 20x slower, so ROCm runs get 10x
 SLOW=${SLOW:-$([ "$DS4REF_GPU_RUNTIME" = hip ] && echo 10 || echo 1)}
@@ -104,6 +104,11 @@ for numerics in sorted({r[0] for r in rows}):
           f"longest prompt {max(int(r[1]) for r in rs)}, quanta {quanta}, tokens compared {sum(int(r[3]) for r in rs)})")
 PY
 fi
+if has draft; then
+  stage "speculation on the device: MTP and DSpark drafts bitwise, speculative decoding against plain"
+  timeout ${DRAFT_TIMEOUT:-$(t 300)} $PYTEST -m gpu tests/gpu/test_hip_mtp.py tests/gpu/test_hip_speculative.py \
+    tests/gpu/test_hip_dspark.py -n 6 2>&1 | tee "$OUT/draft.log" || rc=1
+fi
 if has golden; then
   stage "golden files through the HIP backend"
   DS4REF_BACKEND=hip timeout $(t 150) $PYTEST -m golden tests/test_golden.py 2>&1 | tee "$OUT/golden.log" || rc=1
@@ -160,6 +165,9 @@ if has spec; then
   timeout ${SPEC_TIMEOUT:-$(t 300)} python3 -m ds4ref.cli.bench --speculative-tokens 3 --synthetic full --concurrency 1,4,16 \
     --draft oracle:0 --draft oracle:0.5 --draft oracle:0.7 --draft oracle:1 --draft mtp --no-auto-off 2>&1 \
     | tee "$OUT/spec.log" || rc=1
+  stage "speculative decoding with a random DSpark draft of 0731's settings (Flash, 43 layers, q2 policy; K = 3)"
+  timeout ${SPEC_TIMEOUT:-$(t 300)} python3 -m ds4ref.cli.bench --speculative-tokens 3 --synthetic full --concurrency 1,4,16 \
+    --draft dspark --no-auto-off 2>&1 | tee -a "$OUT/spec.log" || rc=1
 fi
 if has launch; then
   # programmatic dependent launch, and with it the weight prefetch before each wait (ds4_hip.h):

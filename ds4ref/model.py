@@ -71,16 +71,16 @@ class DS4Model:
             from .reference.numpy_backend import NumpyBackend
             return NumpyBackend(self.reference, rows, mtp=self.mtp, dspark=self.dspark)
         if name == "hip":
-            if self.dspark is not None:
-                raise ValueError("the hip backend does not run DSpark drafts yet: load the model without "
-                                 "dspark=..., or use the numpy backend (docs/mtp.md, DSpark)")
             from .hip.backend import HipBackend
+            dspark = self.dspark.weights if self.dspark is not None else None
             if self._device is not None:  # weights are on the device already: share them
+                d = self._device
                 return HipBackend(self.config, self.weights, self.numerics, self.tables,
-                                  runtime=self._device.rt, device_weights=self._device.w, prefill_rows=rows,
-                                  mtp=self.mtp_weights, mtp_device_weights=self._device.mtp and self._device.mtp.w)
+                                  runtime=d.rt, device_weights=d.w, prefill_rows=rows,
+                                  mtp=self.mtp_weights, mtp_device_weights=d.mtp and d.mtp.w,
+                                  dspark=dspark, dspark_device_weights=d.dspark and d.dspark.w)
             return HipBackend(self.config, self.weights, self.numerics, self.tables, prefill_rows=rows,
-                              mtp=self.mtp_weights)
+                              mtp=self.mtp_weights, dspark=dspark)
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -212,8 +212,6 @@ def test_errors(tmp_path, tiny, tiny_0731):
         load_dspark(ds4ref.gguf.tiny.default_mtp_path(), mf)
     with pytest.raises(DSparkError, match=f"{draft} belongs to another model than .*: .* the model is the original"):
         ds4ref.load(dspark=draft)  # the embedded original tiny: same sizes, no 0731
-    with pytest.raises(ValueError, match="hip backend does not run DSpark"):
-        tiny.make_backend("hip")
     with pytest.raises(ValueError, match="at most 5 tokens a round"):
         Engine(tiny, 1, speculative_tokens=6)
 
@@ -250,8 +248,17 @@ def test_memory_plan_counts_the_draft_rings_and_weights(tiny, tiny_0731):
     backend.configure(plan.lanes, plan.n_pages)
     assert sum(s.rings.nbytes for s in backend.draft_states) == plan.draft > 0
     assert plan.weights - without.weights == load_dspark(draft, open_gguf(model)).stored_bytes()
-    with pytest.raises(ValueError, match="hip backend does not run DSpark"):
-        plan_start(model, "hip", "official", 2, None, None, dspark=draft)
+    # on hip: the rings of W + B rows a stage (hip/dspark.py) and its pass buffers, as configure allocates
+    from ds4ref.hip.dspark import device_bytes
+    _, on_hip = plan_start(model, "hip", "official", 2, None, None, prefix_cache=False, dspark=draft)
+    d = load_dspark(draft, open_gguf(model))
+    assert on_hip.draft == device_bytes(d.config, d.dspark, on_hip.lanes, on_hip.n_pages, on_hip.page_tokens,
+                                        on_hip.workspace_rows, on_hip.storage == "compact", on_hip.context)
+    from ds4ref.hip.dspark import state_config
+    from ds4ref.paging.layout import PageLayout
+    rings = state_config(d.config, d.dspark)
+    assert rings.sliding_window == d.config.sliding_window + d.dspark.block_size
+    assert on_hip.mtp_slot == PageLayout(rings, on_hip.page_tokens).slot_bytes(on_hip.storage)
 
 
 def test_bench_drafts_with_dspark_exactly(tiny_0731, capsys):
@@ -260,9 +267,22 @@ def test_bench_drafts_with_dspark_exactly(tiny_0731, capsys):
     argv = ["--model", str(model), "--speculative-tokens", "3", "--concurrency", "2", "--max-tokens", "8",
             "--prompt-tokens", "8"]
     assert main(argv + ["--dspark", str(draft), "--draft", "dspark"]) == 0
-    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split()[:1] == ["2"]}
+    out = capsys.readouterr().out
+    _, _, implied = out.partition("speed-up each module")[0].rpartition("round/step ")
+    rows = {line.split()[1]: line.split() for line in out.split("x @ a=")[0].splitlines() if line.split()[:1] == ["2"]}
     assert set(rows) == {"plain", "dspark"} and all(r[-1] == "yes" for r in rows.values())
+    # the implied speed-ups: the expected tokens of a round at acceptance a over its measured cost
+    from ds4ref.cli.bench_spec import acceptance_for, tokens_a_round
+    line = [row.split() for row in implied.splitlines() if row.split()[:2] == ["2", "dspark"]]
+    assert len(line) == 1 and line[0][2] == rows["dspark"][6]
+    cost = float(line[0][2])
+    # within 0.02: the table divides by the unrounded cost, the test by the cost as printed (2 decimals)
+    assert [float(x) for x in line[0][4:7]] == pytest.approx([tokens_a_round(a, 3) / cost for a in (0.6, 0.7, 0.8)],
+                                                             abs=0.02)
+    need = acceptance_for(39 / 25.3, cost, 3)
+    assert (line[0][7] == "-") == (need is None)
+    assert need is None or float(line[0][7]) == pytest.approx(need, abs=0.02)
+    assert tokens_a_round(0.5, 3) == 1.875 and acceptance_for(1.0, 1.0, 3) < 1e-9
     for bad, why in ((["--draft", "dspark"], "needs a DSpark draft"),
                      (["--dspark", str(draft), "--draft", "mtp"], "drafts with DSpark"),
                      (["--dspark", str(draft), "--draft", "dspark", "--speculative-tokens", "6"], "at most 5")):

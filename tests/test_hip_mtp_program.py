@@ -128,7 +128,7 @@ def test_snapshots_carry_the_mtp_ring_and_restore_leaves_it(model, rt):
     b.set_block_table(0, [0, 1])
     b.step(StepPlan.from_rows([Row(0, p, 5) for p in range(10)], b.max_pass_rows))
     sid = b.save_state(0)
-    assert set(b.mtp.state.snapshots) == {b._mtp_snapshots[sid]}
+    assert set(b.mtp.state.snapshots) == {b._draft_snapshots[sid]}
     b.step(StepPlan.from_rows([Row(0, 10, 5)], b.max_pass_rows))
     def copies():  # the region tables of the step_slot_copy launches since the last call
         out = [args[0] for k, args in rt.launches[seen[0]:] if k[1] == "step_slot_copy"]
@@ -144,7 +144,7 @@ def test_snapshots_carry_the_mtp_ring_and_restore_leaves_it(model, rt):
     assert copies() == [b.state._region_table, b.mtp.state._region_table]
     assert b.mtp.state.snapshot_bytes == b.mtp.state.ring_slot_bytes
     b.drop_state(sid)
-    assert not b.mtp.state.snapshots and not b._mtp_snapshots
+    assert not b.mtp.state.snapshots and not b._draft_snapshots
 
 
 def test_restore_keeps_rows_by_committing_their_lanes_again(model, rt):

@@ -137,7 +137,7 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     quantised = [k.name for k, *_ in small if k.name.startswith(("ds4_qmatvec", "ds4_qexperts"))]
     # int8 rows come from the quantiser, or from the norm / activation / attention combine that
     # produced the input (the argument position of their codes buffer)
-    producers = {"ds4_quantize_q8": 4, "ds4_rmsnorm_q8": 6, "ds4_swiglu_act_q8": 5, "step_attention_combine": 17}
+    producers = {"ds4_quantize_q8": 4, "ds4_rmsnorm_q8": 6, "ds4_swiglu_act_q8": 5, "step_attention_combine": 18}
     quantise = [op for op in small if op[0].name in producers and op[3][producers[op[0].name]] is not None]
     if weights == "q2" and numerics == "official":
         # every quantised product reads int8 rows some earlier launch of the pass wrote

@@ -266,7 +266,8 @@ def test_the_hip_plan_counts_what_configure_allocates(tiny_model_path, numerics,
                     + sum(b.nbytes for b in backend._ws.values() if getattr(b, "owned", True)))  # views: no bytes
     assert beside_state == plan.workspace
     assert sum(b.nbytes for b in st.pages.values()) == plan.paged
-    assert rt.allocated - uploaded - plan.workspace - plan.paged <= plan.slots
+    # the draft module's state is allocated before the pass is recorded (DSpark's taps are its rows)
+    assert rt.allocated - uploaded - plan.workspace - plan.paged <= plan.slots + plan.draft
 
     # prefix-cache and round snapshots are taken later, one at a time, not by configure
     assert backend.state.snapshot_bytes <= plan.per_slot  # what a save_state copies fits what the plan counts

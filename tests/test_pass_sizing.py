@@ -294,13 +294,13 @@ def test_the_default_hip_pass_is_the_largest_the_device_holds(tiny_model_path):
     none does."""
     from ds4ref import serve
     _, plan = serve.plan_start(str(tiny_model_path), "hip", "official", 16, None, None)
-    need = {rows: (lambda p: p.paged + p.slots + p.workspace + p.draft)(serve.hip_plan(plan, rows, "official", True))
+    need = {rows: (lambda p: p.paged + p.slots + p.workspace + p.draft)(serve.hip_plan(plan, rows, "official", "mtp"))
             for rows in (2048, 1024, 512, 256)}
     assert need[2048] > need[1024] > need[512] > need[256]
     for rows in (2048, 1024, 512):
-        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) + 1, "official", True) == rows
-        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) - 1, "official", True) == rows // 2
-    assert serve.fitting_pass_rows(plan, 0, "official", True) == 256
+        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) + 1, "official", "mtp") == rows
+        assert serve.fitting_pass_rows(plan, int(need[rows] / 0.95) - 1, "official", "mtp") == rows // 2
+    assert serve.fitting_pass_rows(plan, 0, "official", "mtp") == 256
 
 
 def test_a_budget_and_cost_are_checked():

@@ -17,8 +17,12 @@ ms per pass (the MTP block's own cost with `mtp`), sequences that turned specula
 Model and backend: --model FILE (default the embedded tiny model) [--mtp FILE] --backend
 numpy|hip, or --synthetic 8layer|full (hip/synthetic.py's random Flash-shaped models
 on the GPU: the 8-layer bf16 one (oracle drafts only), or 43 layers in the q2 policy with a random
-MTP block, whose drafts are almost never accepted but cost what real ones do: with `mtp`, `draft
-ms/pass` is the block's own cost at Flash's widths).
+MTP block, or with `--draft dspark` a random DSpark draft of 0731's settings instead, whose drafts
+are almost never accepted but cost what real ones do: `draft ms/pass` is the module's own cost at
+Flash's widths). Random drafts accept nothing, so for each module the speed-up is also given as its
+measured round cost implies it at acceptances a real draft reaches (a draft accepted with
+probability a, independently: (1 - a^(K+1)) / (1 - a) tokens a round), and the acceptance at which
+it would match lucebox's published DSpark speed-up on code (39 tok/s against 25.3 plain).
 """
 from __future__ import annotations
 
@@ -84,18 +88,43 @@ def decode_run(model, backend: str, reqs: list[Request], C: int, k: int = 0, mak
     return [outs[r.req_id] for r in reqs], tokens / dt if dt else 0.0, passes, eng, timed
 
 
-def synthetic(which: str):
-    """A model stand-in over hip.synthetic's random device weights; `full` with a random MTP block
-    (its drafts are almost never accepted, but they cost what real ones do)."""
+def synthetic(which: str, dspark: bool = False):
+    """A model stand-in over hip.synthetic's random device weights; `full` with a random MTP block,
+    or with dspark a random DSpark draft (their drafts are almost never accepted, but they cost
+    what real ones do)."""
     from ..hip.backend import HipBackend
-    from ..hip.synthetic import make_model, make_mtp
+    from ..hip.synthetic import make_dspark, make_model, make_mtp
     rt, cfg, dw, ref, what = make_model(which == "full")
-    mtp, mdw = make_mtp(rt, cfg, dw) if which == "full" else (None, None)
-    print(what + (", with a random MTP block" if mtp else ""), flush=True)
+    mtp = mdw = ds = ddw = None
+    if which == "full":
+        mtp, mdw = (None, None) if dspark else make_mtp(rt, cfg, dw)
+        ds, ddw = make_dspark(rt, cfg, dw) if dspark else (None, None)
+    print(what + (", with a random MTP block" if mtp else ", with a random DSpark draft" if ds else ""), flush=True)
     # each run's configure() releases the last's state
-    backend = HipBackend(ref.config, ref.weights, ref.numerics, ref.tables,
-                         runtime=rt, device_weights=dw, mtp=mtp, mtp_device_weights=mdw)
-    return SimpleNamespace(config=cfg, mtp=mtp, make_backend=lambda name=None: backend)
+    backend = HipBackend(ref.config, ref.weights, ref.numerics, ref.tables, runtime=rt, device_weights=dw,
+                         mtp=mtp, mtp_device_weights=mdw, dspark=ds, dspark_device_weights=ddw)
+    return SimpleNamespace(config=cfg, mtp=mtp, dspark=ds and SimpleNamespace(config=ds.dspark),
+                           make_backend=lambda name=None: backend)
+
+
+PEER_SPEEDUP = 39 / 25.3  # lucebox's DSpark on code: 39 tok/s against 25.3 plain (its README's figure)
+ACCEPTANCES = (0.6, 0.7, 0.8)
+
+
+def tokens_a_round(a: float, k: int) -> float:
+    """Expected tokens a round of k drafts gives when each is accepted with probability a."""
+    return k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def acceptance_for(speedup: float, round_cost: float, k: int) -> float | None:
+    """The per-draft acceptance at which rounds of this cost (in plain steps) give `speedup`."""
+    if tokens_a_round(1.0, k) < speedup * round_cost:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_a_round(mid, k) < speedup * round_cost else (lo, mid)
+    return hi
 
 
 DRAFT_MODULES = ("mtp", "dspark")
@@ -130,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     k = args.speculative_tokens
     if args.synthetic:
-        model, backend = synthetic(args.synthetic), "hip"
+        model, backend = synthetic(args.synthetic, dspark=args.synthetic == "full" and "dspark" in (args.draft or ())), "hip"
     else:
         from ..model import load
         model, backend = load(args.model, backend=args.backend, mtp=args.mtp, dspark=args.dspark), args.backend
@@ -138,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     module = ["dspark"] if dspark is not None else ["mtp"] if model.mtp is not None else []
     drafts = args.draft or [1.0, 0.7, 0.5, 0.0] + module
     if "dspark" in drafts and dspark is None:
-        p.error("--draft dspark needs a DSpark draft: give it with --dspark FILE")
+        p.error("--draft dspark needs a DSpark draft: give it with --dspark FILE (or --synthetic full's random one)")
     if "dspark" in drafts and k > dspark.config.block_size:
         p.error(f"--draft dspark proposes at most {dspark.config.block_size} tokens a round (its block size): "
                 f"--speculative-tokens {k} is more")
@@ -150,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 + (" (--synthetic full carries a random one, --synthetic 8layer does not)" if args.synthetic else ""))
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
-    rows = []
+    rows, implied = [], []
     for C in [int(c) for c in args.concurrency.split(",")]:
         lens = rng.integers(max(1, args.prompt_tokens // 2), args.prompt_tokens * 3 // 2 + 1, C)
         prompts = [[int(t) for t in rng.integers(2, V, n)] for n in lens]
@@ -172,11 +201,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                          f"{round_cost:.2f}" if round_cost else "-",
                          f"{1000 * timed.seconds / max(1, timed.calls):.2f}", str(s["spec_off"]),
                          "yes" if out == truth else "NO"])
+            if d in DRAFT_MODULES and round_cost:
+                need = acceptance_for(PEER_SPEEDUP, round_cost, k)
+                implied.append([str(C), d, f"{round_cost:.2f}", f"{1000 * timed.seconds / max(1, timed.calls):.2f}",
+                                *(f"{tokens_a_round(a, k) / round_cost:.2f}" for a in ACCEPTANCES),
+                                "-" if need is None else f"{need:.2f}"])
         print(f"C={C} done", flush=True)
     cols = [("C", 3), ("draft", 10), ("accept", 6), ("tok/s", 8), ("speedup", 7), ("passes", 6),
             ("round/step", 10), ("draft ms/pass", 13), ("auto-off", 8), ("exact", 5)]
     print(text_table(cols, rows, f"K = {k} drafts a round; {backend} backend; decode phase only; "
                                  f"auto-off {'disabled' if args.no_auto_off else 'on'}"))
+    if implied:
+        cols = [("C", 3), ("draft", 6), ("round/step", 10), ("draft ms/pass", 13),
+                *((f"x @ a={a:g}", 9) for a in ACCEPTANCES), (f"a for x{PEER_SPEEDUP:.2f}", 11)]
+        print(text_table(cols, implied, f"the speed-up each module's measured round cost implies at acceptance a "
+                                        f"(K = {k}), and the acceptance that gives lucebox's x{PEER_SPEEDUP:.2f}"))
     return 0 if all(r[-1] == "yes" for r in rows) else 1
 
 

@@ -369,6 +369,17 @@ def make_pool(seed, R, C, D, p_inf):
     return (kv, score), (kv, score)
 
 
+def make_markov_gather(seed, rows, V, d, wtype):
+    """A (V, d) table in `wtype` and rows ids, some out of range (an argmax's -2 for a non-finite row)."""
+    stored, value = make_weight(seed, V, d, wtype)
+    tok = np.random.default_rng(seed).integers(-3, V + 3, rows).astype(I32)
+    return (stored, wtype, tok), (value, tok)
+
+
+def ref_markov_gather(value, tok):
+    return value[np.where((tok >= 0) & (tok < value.shape[0]), tok, 0)]
+
+
 def _same_args(fn):
     def make(seed, rows, **p):
         args = fn(seed, rows, **p)
@@ -822,6 +833,13 @@ CASES: tuple[OpCase, ...] = (
     OpCase("add_rows", ("step_add_rows",), g.add_rows, lambda a, b: a + b[:, None],
            _same_args(lambda seed, L, hc, d: (rnd(seed, L, hc, d), rnd(seed + 1, L, d))),
            dict(hc=[1, 4], d=[64, 4096]), "prompt"),
+    OpCase("stream_mean", ("step_stream_mean",), g.stream_mean, ref.stream_mean,
+           _same_args(lambda seed, L, hc, d: (rnd(seed, L, hc, d),)), dict(hc=[1, 4], d=[64, 4096]), "prompt"),
+    OpCase("markov_gather", ("step_markov_gather",), g.markov_gather, ref_markov_gather, make_markov_gather,
+           dict(V=[50, 4000], d=[32, 256], wtype=["f32", "f16", "bf16", "q8_0"])),
+    OpCase("markov_add", ("step_markov_add",), g.markov_add, lambda base, mk, i: base[:, i] + mk,
+           _same_args(lambda seed, R, B, V: (rnd(seed, R, B, V), rnd(seed + 1, R, V), (seed % B))),
+           dict(B=[1, 5], V=[7, 1000])),
     OpCase("attention_paged", ("step_attention_split", "step_attention_combine"), g.attention_paged,
            ref_attention_paged, make_attention,
            dict(H=[1, 3, 8, 20], D=[32, 128, 512], W=range(1, 17), store=["none", "all", "selected"],

@@ -236,6 +236,50 @@ def add_rows(a, b, rt=None):
         return s.get(out, (L, hc, d))
 
 
+def stream_mean(streams, rt=None):
+    """Twin of ops.stream_mean: streams (L, hc, d) -> (L, d), DSpark's taps (step_stream_mean),
+    written at an offset of rows twice as wide (the taps' layout; the other half stays poisoned)."""
+    rt = _rt(rt)
+    x = _f32(streams)
+    L, hc, d = x.shape
+    with _Scope(rt) as s:
+        out = s.out((L, 2 * d))
+        rt.launch(kernel(rt, "step_ops", "step_stream_mean"), (L,), (256,),
+                  (s.up(x), s.up(np.zeros(L, np.int32)), np.int32(hc), np.int32(d), out, np.int32(2 * d),
+                   np.int32(d)))
+        return s.get(out, (L, 2 * d))[:, d:]
+
+
+def markov_gather(stored, wtype: str, tok, rt=None):
+    """Twin of DSpark's Markov input rows: stored (V, d) as make_weight stores it in `wtype`,
+    tok (R,) ids, a token out of range reading row 0 (step_markov_gather)."""
+    from ..hip.device_weights import WTYPE_CODE
+    rt = _rt(rt)
+    tok = np.asarray(tok, np.int32)
+    V = int(stored.shape[0])
+    d = int(stored.shape[1]) if wtype != "q8_0" else int(stored.shape[1]) // 34 * 32
+    R = tok.size
+    with _Scope(rt) as s:
+        e = s.out((R, d))
+        rt.launch(kernel(rt, "step_ops", "step_markov_gather"), (R,), (256,),
+                  (s.up(np.ascontiguousarray(stored)), np.int32(WTYPE_CODE[wtype]), np.int32(d), np.int32(V),
+                   s.up(np.zeros(R, np.int32)), s.up(tok), e))
+        return s.get(e, (R, d))
+
+
+def markov_add(base, mk, i: int, rt=None):
+    """Twin of base[:, i] + mk: base (R, B, V) a block's logits, mk (R, V) (step_markov_add)."""
+    rt = _rt(rt)
+    base, mk = _f32(base), _f32(mk)
+    R, B, V = base.shape
+    with _Scope(rt) as s:
+        out = s.out((R, V))
+        rt.launch(kernel(rt, "step_ops", "step_markov_add"), (_blocks(R * V, 256),), (256,),
+                  (s.up(base), s.up(mk), s.up(np.zeros(R, np.int32)), np.int32(B), np.int32(i), np.int32(R),
+                   np.int32(V), out))
+        return s.get(out, (R, V))
+
+
 def hc_post(streams, y, post, comb, rt=None):
     rt = _rt(rt)
     streams = _f32(streams)

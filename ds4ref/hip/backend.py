@@ -27,8 +27,9 @@ Design (docs/hip_backend.md has the long form):
   groups of 16, one per grid z, each with the 16-lane kernel's arithmetic.
 * The head (hc head, norm, lm head, argmax) runs only on the rows that emit, gathered
   to the front: intermediate prompt rows skip the largest single weight read.
-* Speculation (hip/mtp.py): draft() runs the MTP block by the same builders, as a
-  one-layer model over the last step's final streams; restore_state rolls a slot back to
+* Speculation: draft() runs the MTP block (hip/mtp.py) by the same builders, as a
+  one-layer model over the last step's final streams, or a 0731 model's DSpark draft
+  (hip/dspark.py) over the stream means the pass taps; restore_state rolls a slot back to
   a prefix-cache snapshot.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .layouts import QUANT_WTYPES
 from .device_state import LANE_FIELDS, DeviceState, lane_fields, lane_order
 from .device_weights import WTYPE_CODE, DeviceWeights
 from .guards import check_fits_device, open_device
+from .dspark import DSparkDevice, block_pass, feed_pass
 from .mtp import MTPDevice, MTPPass, first_pass, last_position, next_pass
 from .signatures import check_launch
 from .workspace import (COMMIT_INPUTS, JOINT_OUTPUTS, JOINT_WEIGHTS, attention_slices, check_pass_fits, device_bytes,
@@ -102,12 +104,14 @@ class HipBackend:
     def __init__(self, config: DS4Config, weights, numerics: str, tables: Tables, runtime=None,
                  device_weights: DeviceWeights | None = None, use_graph: bool | None = None,
                  allow_untested_arch: bool = False, prefill_rows: int = PREFILL_ROWS, mtp=None,
-                 mtp_device_weights: DeviceWeights | None = None):
+                 mtp_device_weights: DeviceWeights | None = None, dspark=None,
+                 dspark_device_weights: DeviceWeights | None = None):
         """Built from what the pass needs: the model's config, its host weights (gguf.weights;
         None when device_weights are given), the numerics ("official" or "plain") and the tables
         derived from the config (numerics.tables.Tables: RoPE frequencies, Hadamard).
         mtp: the MTP block's weights (gguf.mtp.MTPWeights, carrying its config; DS4Model.mtp_weights),
-        for draft()."""
+        for draft(); or dspark: a DSpark draft's (gguf.dspark_file.DSparkWeights), which draft()
+        then runs instead."""
         self.cfg = config
         self.numerics = numerics
         self.tables = tables
@@ -151,8 +155,10 @@ class HipBackend:
         # (slot, position) -> lane of the last step's rows, whose final streams s0 still holds
         # for draft(); None once an MTP pass has overwritten them
         self._streams_at: dict[tuple[int, int], int] | None = None
-        self._mtp_snapshots: dict[int, int] = {}  # snapshot id -> the MTP ring's snapshot id
-        self.mtp = MTPDevice(self, mtp, mtp_device_weights) if mtp is not None else None
+        self._draft_snapshots: dict[int, int] = {}  # snapshot id -> the draft state's snapshot id
+        self.mtp = MTPDevice(self, mtp, mtp_device_weights) if mtp is not None and dspark is None else None
+        self.dspark = DSparkDevice(self, dspark, dspark_device_weights) if dspark is not None else None
+        self.drafter = self.dspark or self.mtp  # the draft module draft() runs, whose state slots carry
 
     def describe(self) -> str:
         """Runtime and memory plan, for the server's start-up banner."""
@@ -177,9 +183,9 @@ class HipBackend:
                              self.quantised_products, max_context)
         work = parts["workspace"]
         need = sum(parts.values()) - work
-        if self.mtp is not None:
-            need += self.mtp.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact,
-                                          max_context)
+        if self.drafter is not None:
+            need += self.drafter.bytes_needed(n_slots, n_pages, page_tokens, self.max_pass_rows, self.compact,
+                                              max_context)
         check_fits_device(self.rt, need + work, f"{n_slots} slots and {n_pages} pages ({need / 2**30:.2f} GiB "
                           f"of state) and the {self.max_pass_rows}-row pass's workspace")
         ratios = sorted({r for r in self.cfg.compress_ratios if r})
@@ -192,6 +198,8 @@ class HipBackend:
         self.ncap4 = score_capacity(self.cfg, self.state.maxp, page_tokens)
         self.at_nz = attention_slices(self.cfg, self.state.maxp, page_tokens)
         self.holds = {"RoPE rows": self._rope_rows, "indexer scores": self.ncap4, "attention slices": self.at_nz}
+        if self.drafter is not None:  # before the pass is recorded: it writes DSpark's taps
+            self.drafter.configure(self, n_slots, n_pages, page_tokens, max_context)
         self.programs, self.commit_programs = {}, {}
         for L in self.buckets:
             rec = Recorder(self.rt, L)
@@ -203,34 +211,29 @@ class HipBackend:
                     self._commit(rec, il)
                 self.commit_programs[L] = rec
         self._graphs, self._commit_graphs = {}, {}  # the state moved: capture again on each bucket's next step
-        self._streams_at, self._mtp_snapshots, self._last_pass = None, {}, None
-        if self.mtp is not None:
-            self.mtp.configure(self, n_slots, n_pages, page_tokens, max_context)
-            view = self._layer_view(self.mtp.cfg, self.mtp.w, self.mtp.state)
-            for L in self.buckets:
-                rec = Recorder(self.rt, L)
-                self.mtp.record(view, rec)
-                self.mtp.programs[L] = rec
+        self._streams_at, self._draft_snapshots, self._last_pass = None, {}, None
+        if self.drafter is not None:
+            self.drafter.build(self, self.buckets)
 
     def reset_slot(self, slot: int) -> None:
         self.rt.bind_thread()  # the protocol may be driven from any thread (the server's runner)
         self._need_state().reset_slot(slot)
-        if self.mtp is not None:
-            self.mtp.state.reset_slot(slot)
+        if self.drafter is not None:
+            self.drafter.reset_slot(slot)
 
     def set_block_table(self, slot: int, pages) -> None:
         self.rt.bind_thread()
         self._need_state().set_block_table(slot, pages)
 
-    # A snapshot holds the MTP ring too, so a slot loaded from the prefix cache drafts from the
-    # MTP window of the positions it skips; restore_state leaves the MTP ring as it is
-    # (backend.DraftRequest: no position is fed to the MTP block twice).
+    # A snapshot holds the draft module's rings too, so a slot loaded from the prefix cache drafts
+    # from the draft window of the positions it skips; restore_state leaves them as they are
+    # (backend.DraftRequest: no position is fed to the draft module twice).
     def save_state(self, slot: int) -> int:
         self.rt.bind_thread()
         sid = self._need_state().save_state(slot)
-        if self.mtp is not None:
+        if self.drafter is not None:
             try:
-                self._mtp_snapshots[sid] = self.mtp.state.save_state(slot)
+                self._draft_snapshots[sid] = self.drafter.save_state(slot)
             except MemoryError:
                 self.state.drop_state(sid)
                 raise
@@ -239,14 +242,14 @@ class HipBackend:
     def load_state(self, slot: int, snapshot: int, pages) -> None:
         self.rt.bind_thread()
         self._need_state().load_state(slot, snapshot, pages)
-        if self.mtp is not None:
-            self.mtp.state.restore_state(slot, self._mtp_snapshots[snapshot])
+        if self.drafter is not None:
+            self.drafter.restore_state(slot, self._draft_snapshots[snapshot])
 
     def drop_state(self, snapshot: int) -> None:
         self.rt.bind_thread()
         self._need_state().drop_state(snapshot)
-        if self.mtp is not None:
-            self.mtp.state.drop_state(self._mtp_snapshots.pop(snapshot))
+        if self.drafter is not None:
+            self.drafter.drop_state(self._draft_snapshots.pop(snapshot))
 
     def restore_state(self, slot: int, snapshot: int, rows: int = 0) -> int:
         """Back to the snapshot, then, where the last step ran in a bucket the round log covers,
@@ -313,28 +316,80 @@ class HipBackend:
                 logits[i] = self.rt.download(buffers.view(self._ws["logits"], e * V * 4, V * 4), (V,), F32)
         return StepResult(logits, argmax, frozenset(non_finite))
 
+    def recorder(self, L: int) -> Recorder:
+        """A Recorder of bucket L's launches on this backend's runtime (the draft modules' programs)."""
+        return Recorder(self.rt, L)
+
     def bucket(self, n_rows: int) -> int:
         """The smallest capacity bucket that holds n_rows rows."""
         return next(L for L in self.buckets if n_rows <= L)
 
-    # ---- speculation: the MTP block's drafts ----------------------------------------------
+    # ---- speculation: the draft module's drafts -----------------------------------------
     @property
     def draft(self):
-        """backend.Backend.draft, present only with an MTP block: like the prefix cache's methods,
+        """backend.Backend.draft, present only with a draft module: like the prefix cache's methods,
         the engine finds out by hasattr, which is False when this raises AttributeError."""
-        if self.mtp is None:
-            raise AttributeError("draft: this model has no MTP block")
+        if self.drafter is None:
+            raise AttributeError("draft: this model has no MTP block or DSpark draft")
         return self._draft
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """DSpark proposes one block a round: at most its block size (SeqEngine checks k)."""
+        return self.dspark.max_draft_tokens if self.dspark is not None else None
+
     def _draft(self, requests) -> list[np.ndarray]:
+        if self.dspark is not None:
+            return self.dspark_draft(requests)[0]
         return self.draft_with_logits(requests)[0]
+
+    def dspark_draft(self, requests, want_logits: bool = False):
+        """Feed every request's rows to the draft's rings, then one block pass for the requests
+        with k >= 1; a request's drafts are its block's first k (hip/dspark.py). With want_logits
+        (tests) also each drafting request's (B, vocab) logits, the block's whole chain."""
+        self.rt.bind_thread()
+        st, ds = self._need_state(), self.dspark
+        requests = list(requests)
+        if not requests:
+            return [], []
+        if self._streams_at is None:
+            raise RuntimeError("draft() needs the taps of the last step(), and a draft() since has used them "
+                               "(call draft once after each step)")
+        feed = feed_pass(requests, self._streams_at, ds.fed, st.n_slots, self.cfg.vocab_size)
+        fed = ds.fed.copy()
+        for q in requests:
+            fed[q.slot] += len(q.positions)
+        block = block_pass(requests, fed, ds.dcfg.block_size, ds.dcfg.noise_token_id)
+        if block.rows and max(r.position for r in block.rows) >= self._rope_rows:
+            raise ValueError(f"draft: position {max(r.position for r in block.rows)} is past the RoPE table "
+                             f"({self._rope_rows} positions)")
+        if len(block.rows) > self.max_pass_rows or len(block.slots) > ds.R:
+            raise ValueError(f"draft: {len(block.slots)} blocks of {ds.dcfg.block_size} rows do not fit a pass of "
+                             f"{self.max_pass_rows} rows")
+        self._streams_at = None
+        if feed.rows:
+            ds.write_feed(feed)
+            self._run(ds.feed_programs, ds.graphs["feed"], self.bucket(len(feed.rows)))
+            ds.fed[:] = fed
+        out, logits = [np.zeros(0, I32) for _ in requests], [None] * len(requests)
+        if block.rows:
+            ds.write_block(block)
+            self._run(ds.draft_programs, ds.graphs["draft"], self.bucket(len(block.rows)))
+            self.rt.synchronize()
+            tokens = ds.drafts(len(block.slots))
+            chains = ds.logits(len(block.slots)) if want_logits else None
+            for lane, i in enumerate(block.owner):
+                out[i] = tokens[lane, : requests[i].k].astype(I32)
+                if want_logits:
+                    logits[i] = chains[lane]
+        return out, logits
 
     def draft_with_logits(self, requests, want_logits: bool = False):
         """draft(), and with want_logits each request's k draft logits (vocab,) too (tests)."""
         self.rt.bind_thread()
         st = self._need_state()
         if self.mtp is None:
-            raise RuntimeError("draft: this model has no MTP block")
+            raise RuntimeError("draft_with_logits: this model has no MTP block")
         requests = list(requests)
         if not requests:
             return [], []
@@ -413,8 +468,8 @@ class HipBackend:
         return self.state
 
     def _release_state(self) -> None:
-        if self.mtp is not None:
-            self.mtp.free_state()
+        if self.drafter is not None:
+            self.drafter.free_state()
         if self.state is not None:
             self.state.free()
             for b in self._ws.values():
@@ -427,8 +482,8 @@ class HipBackend:
         for b in [*self.rope_cs.values(), self.hadamard]:
             b.free()
         self.rope_cs = {}
-        if self.mtp is not None:
-            self.mtp.close()
+        if self.drafter is not None:
+            self.drafter.close()
         self.w.free()
 
     # ---- constants and workspace ---------------------------------------------------------
@@ -497,6 +552,8 @@ class HipBackend:
         for il in range(c.n_layer):
             self._attention_layer(rec, il)
             self._ffn_layer(rec, il)
+            if self.dspark is not None:
+                self.dspark.record_taps(self, rec, il)
         self._head(rec)
 
     def _ws_at(self, rec, il: int) -> dict:
@@ -583,7 +640,9 @@ class HipBackend:
                    (streams, y, ws["post"], ws["comb"], out, I32(L), I32(c.hc_mult), I32(c.n_embd)))
 
     # attention half of a layer ---------------------------------------------------------------
-    def _attention_layer(self, rec, il: int) -> None:
+    def _attention_layer(self, rec, il: int, commit: bool = True, key_end: str = "pos") -> None:
+        """commit: the pass's rows into the state after the layer's readers (a DSpark block
+        leaves none); key_end: the lane field where a lane's raw keys end (_attend)."""
         L = rec.L
         c, ws, st = self.cfg, self._ws_at(rec, il), self.state
         ratio, D, H = c.ratio(il), c.head_dim, c.n_head
@@ -609,13 +668,14 @@ class HipBackend:
         # the output's inverse RoPE, and its int8 rows where the output product is quantised,
         # are the attention combine's epilogue
         q8o = self._q8 if self.w.mat(p + "attn_output_a.weight").packed else None
-        self._attend(rec, il, kv, sel, q8o)
+        self._attend(rec, il, kv, sel, q8o, key_end)
         hd = H * D
         self._mv(rec, p + "attn_output_a.weight", ws["o"], ws["z"], q8=q8o, groups=c.o_groups, ldx=hd,
                  xg=hd // c.o_groups, ldy=c.o_groups * c.o_lora_rank)
         self._mv(rec, p + "attn_output_b.weight", ws["z"], ws["y"])
         self._hc_post(rec, ws["s0"], ws["y"], ws["s1"])
-        self._commit(rec, il)
+        if commit:
+            self._commit(rec, il)
 
     def _compressor(self, rec, il: int, kind: str) -> None:
         """Project this pass's inputs, pool the windows lanes complete, store the rows."""
@@ -675,7 +735,9 @@ class HipBackend:
                    (ws["scores"], st.nvis(4), I32(self.ncap4), I32(c.indexer_top_k), ws["sel"]))
         return ws["sel"]
 
-    def _attend(self, rec, il: int, kv, sel, q8=None) -> None:
+    def _attend(self, rec, il: int, kv, sel, q8=None, key_end: str = "pos") -> None:
+        """key_end: `pos` (a row sees the window up to itself) or `last` (a DSpark block row
+        sees its whole block: up to its slot's last row in the pass)."""
         L = rec.L
         c, ws, st = self.cfg, self._ws, self.state
         ratio, H, D = c.ratio(il), c.n_head, c.head_dim
@@ -686,12 +748,13 @@ class HipBackend:
         K.launch_attention_split(rec, H, L, self.at_nz,
                                  (ws["q"], kv, st.ring_layer(il), np.int64(st.ring_slot_bytes), store,
                                   I32(st.row_format(ATTN)), I32(c.n_rot), st.btab, I32(st.maxp), I32(per), sel,
-                                  I32(c.indexer_top_k), st.lane("slot"), st.lane("pos"), st.lane("pstart"), st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
+                                  I32(c.indexer_top_k), st.lane("slot"), st.lane(key_end), st.lane("pstart"),
+                                  st.lane("flane"), nvis, I32(H), I32(D), I32(c.sliding_window),
                                   F32(1.0 / math.sqrt(D)), ws["at_m"], ws["at_den"], ws["at_acc"]))
         K.launch_attention_combine(rec, ws["at_m"], ws["at_den"], ws["at_acc"], sinks, st.lane("slot"),
                                    st.lane("pos"), store, nvis, sel, c.indexer_top_k, c.sliding_window, H, D,
                                    self.at_nz, ws["o"], L, rope=self.rope_cs[1 if ratio else 0],
-                                   half=c.n_rot // 2, q8=q8)
+                                   half=c.n_rot // 2, q8=q8, kend=None if key_end == "pos" else st.lane(key_end))
 
     def _commit(self, rec, il: int) -> None:
         """Write the pass into the ring and the compressor state (after every reader)."""

@@ -64,10 +64,14 @@ def is_vector(name: str, shape) -> bool:
     return len(shape) == 1 or name.endswith("_ape.weight")
 
 
+# matrices read a row at a time by token (the embedding, DSpark's Markov input table), never multiplied
+GATHERED = ("token_embd.weight", "markov_w1.weight")
+
+
 def takes_packed(name: str, wtype: str, quantised_products: bool) -> bool:
     """Whether a matrix goes up in layouts.pack_qrows' layout: the block-quantised ones the quantised
-    products read (official numerics); the embedding is gathered by rows, never multiplied."""
-    return quantised_products and wtype in QUANT_WTYPES and name != "token_embd.weight"
+    products read (official numerics); GATHERED ones are read by rows, never multiplied."""
+    return quantised_products and wtype in QUANT_WTYPES and not name.endswith(GATHERED)
 
 
 class DeviceWeights:
@@ -165,28 +169,37 @@ class DeviceWeights:
 
     @classmethod
     def from_mtp(cls, rt, mtp_weights, main: "DeviceWeights", quantised_products: bool = False) -> "DeviceWeights":
-        """The MTP block's tensors (gguf.mtp.MTPWeights) under mtp_device_names, each in its stored
-        encoding as from_weights keeps the main model's; the embedding and output projection are
-        `main`'s buffers."""
-        self = cls(rt, mtp_weights.config)
-        names = mtp_device_names(mtp_weights.config)
-        stored = {dev: _mtp_stored_type(mtp_weights, ours) for dev, ours in names.items()}
+        """The MTP block's tensors (gguf.mtp.MTPWeights) under mtp_device_names."""
+        return cls.from_draft(rt, mtp_weights, mtp_device_names(mtp_weights.config), main, quantised_products)
+
+    @classmethod
+    def from_draft(cls, rt, draft_weights, names, main: "DeviceWeights",
+                   quantised_products: bool = False) -> "DeviceWeights":
+        """A draft module's tensors (gguf.mtp.MTPWeights, gguf.dspark_file.DSparkWeights) under their
+        device names (`names`: device name -> the module's name), each in its stored encoding as
+        from_weights keeps the main model's; the embedding and output projection are `main`'s buffers."""
+        self = cls(rt, draft_weights.config)
+        stored = {dev: _draft_stored_type(draft_weights, ours) for dev, ours in names.items()}
         check_weight_types(stored)
         for dev, ours in names.items():
-            shape = mtp_weights.shape(ours)
+            shape = draft_weights.shape(ours)
             wtype = _GGML_TO_WTYPE.get(stored[dev], "f32")
             if is_vector(dev, shape):
-                self._put_vec(dev, mtp_weights.get(ours))
+                self._put_vec(dev, draft_weights.get(ours))
             elif wtype == "f32":
-                self._put_mat(dev, np.asarray(mtp_weights.get(ours), np.float32), "f32", shape)
+                self._put_mat(dev, np.asarray(draft_weights.get(ours), np.float32), "f32", shape)
             else:
-                self._put_mat(dev, _mtp_raw(mtp_weights, ours, wtype), wtype, shape,
+                self._put_mat(dev, _draft_raw(draft_weights, ours, wtype), wtype, shape,
                               takes_packed(dev, wtype, quantised_products))
+        self.borrow(main)
+        rt.synchronize()
+        return self
+
+    def borrow(self, main: "DeviceWeights") -> None:
+        """The main model's embedding and output projection, which a draft module shares."""
         for name in MTP_BORROWED:
             self.mats[name] = main.mats[name]
             self.borrowed.add(name)
-        rt.synchronize()
-        return self
 
     @classmethod
     def random_flash(cls, rt, config, seed: int = 0, big: int = 1 << 21) -> "DeviceWeights":
@@ -238,19 +251,26 @@ class DeviceWeights:
         """A random MTP block beside random_policy's model (from_mtp's names; the embedding and the
         output projection are `main`'s): its layer in the policy's types as a main layer, e_proj
         and h_proj Q8_0 and the hc head F16, as gguf.tiny.random_mtp stores them."""
-        from ..gguf.mtp import PREFIX, mtp_tensor_shapes
-        from ..gguf.tiny import _DTYPE_BY_SUFFIX
-        self = cls(rt, mcfg)
-        shapes = mtp_tensor_shapes(mcfg)
+        from ..gguf.mtp import mtp_tensor_shapes
         extra = {"e_proj.weight": "q8_0", "h_proj.weight": "q8_0", "hc_head_fn.weight": "f16"}
+        return cls.random_policy_draft(rt, main, mcfg, mtp_device_names(mcfg), mtp_tensor_shapes(mcfg), extra,
+                                       policy, seed + 1, template_bytes, quantised_products)
+
+    @classmethod
+    def random_policy_draft(cls, rt, main: "DeviceWeights", config, names, shapes, own_types, policy: str = "q2",
+                            seed: int = 0, template_bytes: int = 8 << 20,
+                            quantised_products: bool = False) -> "DeviceWeights":
+        """A random draft module beside random_policy's model, under `names` (device name -> the
+        module's `mtp.S.*` name, whose shape `shapes` gives): its blocks' tensors in the policy's
+        types as a main layer's, its own by `own_types` (by suffix after `mtp.S.`), the rest F32."""
+        from ..gguf.tiny import _DTYPE_BY_SUFFIX
+        self = cls(rt, config)
         tensors = []
-        for dev, ours in mtp_device_names(mcfg).items():
-            suffix = ours[len(PREFIX):]
-            tensors.append((dev, suffix, shapes[ours], _DTYPE_BY_SUFFIX.get(suffix, extra.get(suffix, "f32"))))
-        self._tile_random(mcfg, tensors, policy, seed + 1, template_bytes, quantised_products)
-        for name in MTP_BORROWED:
-            self.mats[name] = main.mats[name]
-            self.borrowed.add(name)
+        for dev, ours in names.items():
+            suffix = ours.split(".", 2)[2]
+            tensors.append((dev, suffix, shapes[ours], _DTYPE_BY_SUFFIX.get(suffix, own_types.get(suffix, "f32"))))
+        self._tile_random(config, tensors, policy, seed, template_bytes, quantised_products)
+        self.borrow(main)
         return self
 
     def _tile_random(self, config, tensors, policy: str, seed: int, template_bytes: int,
@@ -335,22 +355,27 @@ def _stored_types(weights) -> dict[str, str]:
     return out
 
 
-def _mtp_source_name(w, name: str) -> str:
-    """The source tensor an MTPWeights tensor is read from (a fused [e_proj | h_proj] for both halves)."""
-    return w.fused if w._split(name) is not None else w.names[name]
+def _half(w, name: str) -> int | None:
+    """Which half of a fused [e_proj | h_proj] an MTPWeights tensor is (None: a tensor of its own)."""
+    return w._split(name) if hasattr(w, "_split") else None
 
 
-def _mtp_stored_type(w, name: str) -> str:
-    return w.source.tensor(_mtp_source_name(w, name)).qtype.name
+def _draft_source_name(w, name: str) -> str:
+    """The source tensor a draft module's tensor is read from (a fused [e_proj | h_proj] for both halves)."""
+    return w.fused if _half(w, name) is not None else w.names[name]
 
 
-def _mtp_raw(w, name: str, wtype: str) -> np.ndarray:
-    """_raw for an MTPWeights tensor: its stored values/bytes, the half of a fused matrix it is."""
+def _draft_stored_type(w, name: str) -> str:
+    return w.source.tensor(_draft_source_name(w, name)).qtype.name
+
+
+def _draft_raw(w, name: str, wtype: str) -> np.ndarray:
+    """_raw for a draft module's tensor: its stored values/bytes, the half of a fused matrix it is."""
+    half = _half(w, name)
     if wtype in QUANT_WTYPES:
         _qtype, blocks = w._stored_blocks(name)  # splits a fused matrix by whole blocks
         return np.asarray(blocks).view(np.uint8)
-    data = np.asarray(w.source.tensor(_mtp_source_name(w, name)).data)
-    half = w._split(name)
+    data = np.asarray(w.source.tensor(_draft_source_name(w, name)).data)
     if half is not None:
         d = w.config.n_embd
         data = data[:, half * d:(half + 1) * d]

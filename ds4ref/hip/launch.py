@@ -234,15 +234,17 @@ class PagedLanes:
 
 
 def launch_attention_combine(rt, m, den, acc, sinks, slot, pos, store, nvis, sel, ksel: int, W: int, H: int,
-                             D: int, nz: int, out, L: int, rope=None, half: int = 0, q8: "Q8Rows | None" = None):
+                             D: int, nz: int, out, L: int, rope=None, half: int = 0, q8: "Q8Rows | None" = None,
+                             kend=None):
     """out <- each (head, lane)'s slices merged in order with the sink; with rope (the (P, half, 2)
     table) the last 2 * half dims inverse-RoPE'd at the lane's position; with q8 the rows (H * D
-    wide) quantised into it as well, for the output product."""
+    wide) quantised into it as well, for the output product. kend: per lane the position its raw
+    keys end at, the `pos` its split ran with (None: pos)."""
     _need(rope is not None or not half, "attention combine: RoPE dims without a table")
     _need(q8 is None or D % 32 == 0, f"attention combine: head dim {D} is not a multiple of 32")
     _need(q8 is None or L * H * D <= q8.capacity, f"attention combine: {L} x {H * D} exceeds the int8 scratch")
     rt.launch(kernel(rt, "step_state", "step_attention_combine"), (H, L), (AT_CT,),
-              (m, den, acc, sinks, slot, pos, store, nvis, sel, I32(ksel), I32(W), I32(H), I32(D), I32(nz), out,
+              (m, den, acc, sinks, slot, pos, kend, store, nvis, sel, I32(ksel), I32(W), I32(H), I32(D), I32(nz), out,
                rope, I32(half), *((q8.xq, q8.dx, q8.xs) if q8 is not None else (None, None, None))))
 
 

@@ -145,6 +145,14 @@ class MTPDevice:
         self.rt.memset32(buf, 0, max(n, 1))
         return buf
 
+    def build(self, backend, buckets) -> None:
+        """Record every bucket's MTP pass (after configure), in a view of the backend's builders."""
+        view = backend._layer_view(self.cfg, self.w, self.state)
+        for L in buckets:
+            rec = backend.recorder(L)
+            self.record(view, rec)
+            self.programs[L] = rec
+
     def record(self, view, rec) -> None:
         """One MTP pass of rec.L lanes (module docstring), built by the backend's builders in `view`."""
         L, c, ws, st, b = rec.L, view.cfg, view._ws, view.state, self._bufs
@@ -172,6 +180,19 @@ class MTPDevice:
             K.launch_qmatvec(rec, w, self._q8, y, rows)
             return
         K.launch_matvec(rec, w, x, y, rows, part=self._bufs["part"])
+
+    # ---- the slots' MTP state: its ring (DeviceState) ---------------------------------
+    def reset_slot(self, slot: int) -> None:
+        self.state.reset_slot(slot)
+
+    def save_state(self, slot: int) -> int:
+        return self.state.save_state(slot)
+
+    def restore_state(self, slot: int, snapshot: int) -> None:
+        self.state.restore_state(slot, snapshot)
+
+    def drop_state(self, snapshot: int) -> None:
+        self.state.drop_state(snapshot)
 
     # ---- running -------------------------------------------------------------------
     def write(self, p: MTPPass) -> None:

@@ -28,6 +28,26 @@ def make_mtp(rt, cfg, dw):
     return SimpleNamespace(config=mcfg, weights=None), mdw
 
 
+def make_dspark(rt, cfg, dw):
+    """(DSpark stand-in, its device weights): a random DSpark draft of 0731's settings (a block of
+    5, rank 256, taps after layers 40 to 42) beside make_model(full=True)'s model: its stages in the
+    policy's types as main layers, main_proj and markov_w2 Q8_0, markov_w1 and the hc head F16, as
+    gguf.tiny.random_dspark stores them (the stand-in takes the draft weights' place: `config` the
+    stages, `dspark` its settings)."""
+    from ..gguf.dspark import DSparkConfig, dspark_tensor_shapes, stage_config
+    from .device_weights import DeviceWeights
+    from .dspark import dspark_device_names
+    dcfg = DSparkConfig(block_size=5, noise_token_id=cfg.vocab_size - 1, markov_rank=256,
+                        target_layers=(cfg.n_layer - 3, cfg.n_layer - 2, cfg.n_layer - 1))
+    stages = stage_config(cfg, dcfg)
+    own = {"main_proj.weight": "q8_0", "markov_head.markov_w2.weight": "q8_0", "markov_head.markov_w1.weight": "f16",
+           "hc_head_fn.weight": "f16"}
+    ddw = DeviceWeights.random_policy_draft(rt, dw, stages, dspark_device_names(stages, dcfg),
+                                            dspark_tensor_shapes(cfg, dcfg), own, "q2", seed=2,
+                                            quantised_products=True)
+    return SimpleNamespace(config=stages, dspark=dcfg, weights=None), ddw
+
+
 def make_model(full: bool, experts: int = 256):
     """(runtime, config, device weights, model parts (config, numerics, tables, weights=None: what
     HipBackend is built from), description): the 8-layer bf16 model

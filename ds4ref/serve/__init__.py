@@ -48,9 +48,10 @@ def build_state(model_path: Optional[str] = None, backend: str = "numpy", max_co
     rows = pass_rows(backend, model.config, max_batched_rows)
     device = model.make_backend(backend, max(rows, DECODE_LANES))
     if backend == "hip" and max_batched_rows is None:  # the default pass: as large as the device holds
-        fits = fitting_pass_rows(plan, device.rt.mem_info()[0], numerics, model.mtp is not None)
+        draft = model.dspark.weights if model.dspark is not None else "mtp" if model.mtp is not None else None
+        fits = fitting_pass_rows(plan, device.rt.mem_info()[0], numerics, draft)
         if fits != rows:
-            rows, plan = fits, hip_plan(plan, fits, numerics, model.mtp is not None)
+            rows, plan = fits, hip_plan(plan, fits, numerics, draft)
             device = model.make_backend(backend, rows)
     engine = SeqEngine(device, model.config, max_concurrency=max_concurrency,
                        kv_pool_tokens=kv_pool_tokens, max_context=context, prefix_cache=prefix_cache,
@@ -128,14 +129,16 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
         from ..gguf.mtp import separate_mtp
         weights += separate_mtp(mtp, model_file.config).stored_bytes()  # sizes only: a dry run reads no tensor
     has_mtp = mtp is not None or model_file.mtp_block is not None
+    draft = "mtp" if has_mtp else None
     draft_config = None
     if dspark is not None:  # it drafts instead of the MTP block: its weights and a ring a stage a lane
         from ..gguf.dspark_file import load_dspark
-        if backend == "hip":
-            raise ValueError("--dspark: the hip backend does not run DSpark drafts yet (use --backend numpy)")
-        drafter = load_dspark(dspark, model_file)
-        weights += drafter.stored_bytes()
-        draft_config, has_mtp = drafter.config, True
+        from ..hip.dspark import state_config
+        draft = load_dspark(dspark, model_file)
+        weights += draft.stored_bytes()
+        # on hip a stage's ring holds the window and a block (hip/dspark.py)
+        draft_config = state_config(draft.config, draft.dspark) if backend == "hip" else draft.config
+        has_mtp = True
     storage = kv_storage(backend, numerics)
     plan = make_plan(model_file.config, weights, max_concurrency, max_context or model_context,
                      kv_pool_tokens, storage, prefix_cache=prefix_cache,
@@ -143,26 +146,30 @@ def plan_start(model_path: Optional[str], backend: str, numerics: str, max_concu
                      draft_config=draft_config)
     if backend == "hip":
         plan = hip_plan(plan, max(pass_rows(backend, model_file.config, max_batched_rows), DECODE_LANES),
-                        numerics, has_mtp)
+                        numerics, draft)
     return model_file, plan
 
 
-def hip_plan(plan, rows: int, numerics: str, has_mtp: bool):
+def hip_plan(plan, rows: int, numerics: str, draft=None):
     """The plan with what HipBackend.configure allocates beside the state for a largest pass of
-    `rows` rows and lanes of the plan's context (SeqEngine's max_context): the pass workspace and,
-    with an MTP block, its device state."""
+    `rows` rows and lanes of the plan's context (SeqEngine's max_context): the pass workspace and
+    the draft module's device state: draft "mtp" (the MTP block), a DSpark draft's weights
+    (gguf.dspark_file.DSparkWeights), or None."""
     from dataclasses import replace
     from ..gguf.mtp import mtp_config
-    from ..hip.mtp import device_bytes
+    from ..hip import dspark as hip_dspark
+    from ..hip import mtp as hip_mtp
     from ..hip.workspace import with_pass_workspace
     plan = with_pass_workspace(plan, rows, numerics)
-    if has_mtp:
-        plan = replace(plan, draft=device_bytes(mtp_config(plan.config), plan.lanes, plan.n_pages, plan.page_tokens,
-                                                rows, plan.storage == "compact", plan.context))
+    shape = (plan.lanes, plan.n_pages, plan.page_tokens, rows, plan.storage == "compact", plan.context)
+    if draft == "mtp":
+        plan = replace(plan, draft=hip_mtp.device_bytes(mtp_config(plan.config), *shape))
+    elif draft is not None:
+        plan = replace(plan, draft=hip_dspark.device_bytes(draft.config, draft.dspark, *shape))
     return plan
 
 
-def fitting_pass_rows(plan, free: int, numerics: str, has_mtp: bool) -> int:
+def fitting_pass_rows(plan, free: int, numerics: str, draft=None) -> int:
     """The largest pass, halving from plan.workspace_rows down to PREFILL_ROWS, whose state and
     workspace fit `free` device bytes as HipBackend.configure checks them (95%): the server's
     default must not refuse a start that smaller passes allow. PREFILL_ROWS when none fits
@@ -170,7 +177,7 @@ def fitting_pass_rows(plan, free: int, numerics: str, has_mtp: bool) -> int:
     from ..backend import PREFILL_ROWS
 
     def fits(rows: int) -> bool:
-        p = hip_plan(plan, rows, numerics, has_mtp)
+        p = hip_plan(plan, rows, numerics, draft)
         return p.paged + p.slots + p.workspace + p.draft <= 0.95 * free
 
     rows = plan.workspace_rows

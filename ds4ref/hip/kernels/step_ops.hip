@@ -271,6 +271,47 @@ extern "C" __global__ void step_gather_rows(const float* __restrict__ src, const
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[(long long)e * n + i] = src[(long long)l * n + i];
 }
 
+// ---- DSpark (hip/dspark.py) -------------------------------------------------
+// out[l, off .. off + d) = the mean of lane l's hc streams, summed in stream order from +0 and
+// divided by hc (ops.stream_mean): what the draft reads of a tapped target layer. Rows are ld wide.
+extern "C" __global__ void step_stream_mean(const float* __restrict__ streams, const int* __restrict__ slot,
+                                            int hc, int d, float* __restrict__ out, int ld, int off) {
+    DS4_KERNEL_ENTRY;
+    int l = blockIdx.x;
+    if (slot[l] < 0) return;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int k = 0; k < hc; ++k) acc += streams[((long long)l * hc + k) * d + i];
+        out[(long long)l * ld + off + i] = acc / (float)hc;
+    }
+}
+
+// The Markov head's input for request lane r (slot[r] >= 0): e[r] = row tok[r] of markov_w1
+// (d wide, encoding wt), tok the token drafted before. A token out of 0 .. V - 1 (the answer of
+// an argmax over a non-finite row) reads row 0: a draft, never an output, so any token will do.
+extern "C" __global__ void step_markov_gather(const ds4_u8* E, int wt, int d, int V, const int* __restrict__ slot,
+                                              const int* __restrict__ tok, float* __restrict__ e) {
+    DS4_KERNEL_ENTRY;
+    int r = blockIdx.x;
+    if (slot[r] < 0) return;
+    int t = tok[r];
+    const ds4_u8* row = E + (long long)(t >= 0 && t < V ? t : 0) * so_row_bytes(wt, d);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) e[(long long)r * d + i] = so_elem(row, wt, i);
+}
+
+// out[r] = base[r * B + i] + mk[r] (V logits a row) for the request lanes r < R: block row i's
+// logits plus its Markov term, the row the i-th draft is the argmax of. Grid over R * V.
+extern "C" __global__ void step_markov_add(const float* __restrict__ base, const float* __restrict__ mk,
+                                           const int* __restrict__ slot, int B, int i, int R, int V,
+                                           float* __restrict__ out) {
+    DS4_KERNEL_ENTRY;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)R * V) return;
+    long long r = idx / V, v = idx % V;
+    if (slot[r] < 0) return;
+    out[idx] = base[(r * B + i) * V + v] + mk[idx];
+}
+
 __device__ __forceinline__ ds4_u64 so_mix(ds4_u64 z) {  // splitmix64's finaliser
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;

@@ -436,7 +436,8 @@ __device__ __forceinline__ float4 row_decode4(uint4 r, bool fp8) {
 // (where a key row is stored is worked out once per slice); a warp reads each key element
 // once for its AT_HPW heads. A head's operations are those of one head alone, in the same
 // order, so AT_HPW and the grid's head blocks change no bit (any gridDim.x is correct:
-// blocks stride over the head sets).
+// blocks stride over the head sets). `pos` is where a lane's raw keys end: its position, or for
+// a DSpark block row the block's last row (every row of a block sees the whole block).
 #define AT3_SPLIT 32
 
 __device__ __forceinline__ int at_lane_keys(int s, int p, int W, const void* store, const int* nvis,
@@ -608,6 +609,8 @@ step_attention_split(const float* __restrict__ q, const float* pass_kv, const ds
 // A slice's weight exp(m_z - mf) is formed once, by one thread, for a chunk of AT_CZ slices
 // at a time (every thread forming every weight took half the kernel's time), and every sum
 // still runs in z order. Padding lanes write zeros, as step_attention does.
+// kend (null: pos) is the position the lane's raw keys end at, as split's `pos` was: a DSpark
+// block row's keys end at its block's last row (hip/dspark.py), its RoPE is at its own position.
 // Then the output's own epilogue, each the operations of the kernel it replaces: with half > 0
 // the inverse RoPE of the head's last 2 * half dims at the lane's position (step_rope_pos;
 // pair partners are neighbouring threads), and with xq the row's int8 blocks for the quantised
@@ -620,7 +623,7 @@ static_assert(AT_CZ >= 1 && AT_CZ <= AT_CT, "a chunk's weights are one a thread"
 extern "C" __global__ void __launch_bounds__(AT_CT)
 step_attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_den,
                        const float* __restrict__ part_acc, const float* __restrict__ sinks,
-                       const int* slot, const int* pos, const ds4_u8* store,
+                       const int* slot, const int* pos, const int* kend, const ds4_u8* store,
                        const int* nvis, const int* sel, int ksel, int W, int H, int D,
                        int nz, float* __restrict__ out, const float* cs, int half,
                        ds4_i8* __restrict__ xq, float* __restrict__ dx, short* __restrict__ xs) {
@@ -629,7 +632,7 @@ step_attention_combine(const float* __restrict__ part_m, const float* __restrict
     int h = blockIdx.x, l = blockIdx.y;
     int s = slot[l];
     int lo, nraw;
-    int total = at_lane_keys(s, pos[l], W, store, nvis, sel, ksel, l, &lo, &nraw);
+    int total = at_lane_keys(s, kend ? kend[l] : pos[l], W, store, nvis, sel, ksel, l, &lo, &nraw);
     int nsl = (total + AT3_SPLIT - 1) / AT3_SPLIT;
     float* o = out + ((long long)l * H + h) * D;
     long long base = ((long long)l * H + h) * nz;
