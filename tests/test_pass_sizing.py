@@ -113,9 +113,11 @@ def test_a_prompt_beside_15_decoders_keeps_their_passes_within_the_budget():
 
 def test_a_prompt_alone_runs_in_the_large_pass():
     """No decoder waits: the prompt takes the whole pass, LONG_PASS_ROWS rows, whatever the budget;
-    with the prefix cache a chunk also ends where a snapshot is taken: every 8 pages (1024 rows)
-    and at the last page boundary of the prompt (39 pages: 4992)."""
-    for cache, want in ((False, [2048, 2048, 904]), (True, [1024] * 4 + [4992 - 4096, 8])):
+    with the prefix cache a chunk also ends where a snapshot is taken: every largest pass's pages
+    (16: 2048 rows, so the passes stay whole) and at the last page boundary of the prompt (39
+    pages: 4992)."""
+    assert Engine(toy(), 4).seq_engine.snapshot_every == LONG_PASS_ROWS // 128
+    for cache, want in ((False, [2048, 2048, 904]), (True, [2048, 2048, 4992 - 4096, 8])):
         eng = Engine(toy(), 4, max_itl_ms=1.0, pass_cost=FLASH_H200, prefix_cache=cache)
         r = Request(prompt(5000, 7), 4, ignore_eos=True)
         toks = eng.run([r])
