@@ -171,6 +171,7 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
             }
             ent[2 + g % EL_PAIRS] = i;
         }
+        if (c1 == L) break;  // the same for every thread: nothing reads the counts after the last chunk
         __syncthreads();
         for (int e = tid; e < E; e += blockDim.x) {
             int c = 0;
