@@ -7,8 +7,8 @@ The models are decode_gpu.py's (same shapes, random weights made on the device).
 measures, every pass a real one (the prompt builds its own history, nothing synthetic):
 
 1. Prompt throughput and time to first token: one prompt of N tokens fed alone in passes
-   of `--chunk` rows (default: the server's lone-prompt pass, LONG_PASS_ROWS within what
-   the kernels run for the model: 1024 for Flash); TTFT is the wall time of all its passes
+   of `--chunk` rows (default: the server's lone-prompt pass, LONG_PASS_ROWS = 2048, within
+   what the kernels run: hip.launch.largest_pass, 4096); TTFT is the wall time of all its passes
    (host side included: lane upload, the last pass's argmax download), tok/s = N / TTFT.
 2. Inter-token latency under prefill: 15 sequences decode while one long prompt arrives;
    the server's Scheduler runs every pass: decode rows first, then the prompt rows whose
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", default="4096,16384", help="prompt lengths fed alone (TTFT, tok/s)")
     ap.add_argument("--chunk", type=int, default=None,
                     help=f"prompt rows a pass, the backend's largest (default: {LONG_PASS_ROWS} within the kernels' "
-                         f"limit for the model, 1024 for Flash)")
+                         f"limit, hip.launch.largest_pass)")
     ap.add_argument("--itl-prompt", type=int, default=16384, help="the prompt that arrives beside decoders (0: skip)")
     ap.add_argument("--max-itl-ms", default=f"{DEFAULT_MAX_ITL_MS:g}",
                     help="inter-token budgets for the ITL run, comma-separated (the server's --max-itl-ms)")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ds4ref.hip import buffers
-from ds4ref.harness.op_cases import CASES, run_case
+from ds4ref.hip.launch import EL_PAIRS
+from ds4ref.harness.op_cases import BY_NAME, CASES, PASS_ROWS, run_case
 from test_hip_program import RecordingRuntime
 
 # kernels of the pass whose twin would be the whole reference layer: checked end to end
@@ -62,3 +63,22 @@ def test_table_covers_the_backends_kernels(monkeypatch):
         twinned = {n for n in ran if any(fnmatch.fnmatch(n, p) for c in CASES for p in c.kernels)}
         assert ran - twinned == END_TO_END & ran, sorted(ran - twinned - END_TO_END)
         assert {"step_attention_split", "step_indexer_paged", "step_rope_pos"} <= twinned
+
+
+@pytest.mark.parametrize("rows", PASS_ROWS)
+def test_the_expert_list_case_takes_whole_passes(rows):
+    """The expert_list case at the whole-pass sizes the GPU twins draw, up to launch.LARGEST_PASS
+    rows of Flash's 256 experts: one checked launch of step_expert_list over the pass's lanes, and a
+    reference list that holds every valid lane's distinct choices once, experts ascending, at most
+    EL_PAIRS pairs an entry and an expert's pairs in lane order."""
+    rt = RecordingRuntime()
+    case = BY_NAME["expert_list"]
+    (ids, slots, E), _ = case.make(3, rows, E=256, kk=6, padding=0.3, repeats=False)
+    got, want = run_case(case, 3, rows, rt, E=256, kk=6, padding=0.3, repeats=False)
+    assert [(k[1], int(a[2])) for k, a in rt.launches] == [("step_expert_list", rows)]
+    entries = want[0][want[0][:, 0] >= 0]
+    assert got[0].shape == want[0].shape and len(entries) < len(want[0])
+    assert np.all(np.diff(entries[:, 0]) >= 0) and np.all((1 <= entries[:, 1]) & (entries[:, 1] <= EL_PAIRS))
+    pairs = [(e, lt) for e, n, *lts in entries.tolist() for lt in lts[:n]]
+    assert sorted(pairs) == sorted((int(ids[lt // 6, lt % 6]), lt) for lt in range(rows * 6) if slots[lt // 6] >= 0)
+    assert all(a < b for (e, a), (f, b) in zip(pairs, pairs[1:]) if e == f)

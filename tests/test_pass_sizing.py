@@ -15,7 +15,7 @@ from hypothesis import example, given, settings, strategies as st
 from ds4ref.backend import DECODE_LANES
 from ds4ref.gguf.tiny import flash_config
 from ds4ref.hip.backend import capacity_buckets
-from ds4ref.hip.launch import largest_pass
+from ds4ref.hip.launch import EL_EXPERTS, LARGEST_PASS, largest_pass
 from ds4ref.scheduler import FinishEvent, Request
 from ds4ref.scheduler.engine import Engine
 from ds4ref.scheduler.hash_backend import HashBackend, reference_tokens
@@ -113,9 +113,11 @@ def test_a_prompt_beside_15_decoders_keeps_their_passes_within_the_budget():
 
 def test_a_prompt_alone_runs_in_the_large_pass():
     """No decoder waits: the prompt takes the whole pass, LONG_PASS_ROWS rows, whatever the budget;
-    with the prefix cache a chunk also ends where a snapshot is taken: every 8 pages (1024 rows)
-    and at the last page boundary of the prompt (39 pages: 4992)."""
-    for cache, want in ((False, [2048, 2048, 904]), (True, [1024] * 4 + [4992 - 4096, 8])):
+    with the prefix cache a chunk also ends where a snapshot is taken: every largest pass's pages
+    (16: 2048 rows, so the passes stay whole) and at the last page boundary of the prompt (39
+    pages: 4992)."""
+    assert Engine(toy(), 4).seq_engine.snapshot_every == LONG_PASS_ROWS // 128
+    for cache, want in ((False, [2048, 2048, 904]), (True, [2048, 2048, 4992 - 4096, 8])):
         eng = Engine(toy(), 4, max_itl_ms=1.0, pass_cost=FLASH_H200, prefix_cache=cache)
         r = Request(prompt(5000, 7), 4, ignore_eos=True)
         toks = eng.run([r])
@@ -255,18 +257,23 @@ def test_the_scheduler_learns_the_cost_from_the_passes_it_times():
 # ---- sizes that follow: the hip kernels' limit, the server's flags ------------------------------
 
 
-def test_the_largest_pass_follows_the_expert_list_kernel():
-    """step_expert_list holds n_expert x ceil(rows / 32) bit words of 8192: 1024 rows for Flash's
-    256 experts, 32768 for the tiny model's 8."""
+def test_the_largest_pass_is_the_kernels_for_any_expert_count():
+    """step_expert_list takes a pass's lanes in chunks of its shared bit set, so the expert count
+    no longer bounds a pass: Flash's 256 experts and the tiny model's 8 both run 4096 rows, the
+    server's lone-prompt pass (2048) fits either, and a model past the kernel's 1024 experts runs
+    none."""
+    import dataclasses
     import ds4ref
-    assert largest_pass(flash_config()) == 1024
-    assert largest_pass(ds4ref.load().config) == 32768
+    assert largest_pass(flash_config()) == largest_pass(ds4ref.load().config) == LARGEST_PASS == 4096
+    assert largest_pass(dataclasses.replace(flash_config(), n_expert=EL_EXPERTS + 1)) == 0
     from ds4ref import serve
-    assert serve.pass_rows("hip", flash_config(), None) == 1024
+    assert LONG_PASS_ROWS == 2048
+    assert serve.pass_rows("hip", flash_config(), None) == LONG_PASS_ROWS
+    assert serve.pass_rows("hip", flash_config(), LARGEST_PASS) == LARGEST_PASS
     assert serve.pass_rows("numpy", flash_config(), None) == LONG_PASS_ROWS
     assert serve.pass_rows("hip", ds4ref.load().config, None) == LONG_PASS_ROWS
-    with pytest.raises(ValueError, match="at most 1024"):
-        serve.pass_rows("hip", flash_config(), 2048)
+    with pytest.raises(ValueError, match="at most 4096"):
+        serve.pass_rows("hip", flash_config(), 2 * LARGEST_PASS)
 
 
 def test_the_server_flags():
@@ -282,10 +289,10 @@ def test_the_server_flags():
 def test_the_hip_plan_follows_the_largest_pass(tiny_model_path):
     from ds4ref import serve
     plans = {rows: serve.plan_start(str(tiny_model_path), "hip", "official", 4, None, 1000, rows)[1]
-             for rows in (None, 256, 1024)}
+             for rows in (None, 256, 1024, LARGEST_PASS)}
     assert plans[None].workspace_rows == LONG_PASS_ROWS
-    assert [plans[r].workspace_rows for r in (256, 1024)] == [256, 1024]
-    assert plans[256].workspace < plans[1024].workspace < plans[None].workspace
+    assert [plans[r].workspace_rows for r in (256, 1024, LARGEST_PASS)] == [256, 1024, LARGEST_PASS]
+    assert plans[256].workspace < plans[1024].workspace < plans[None].workspace < plans[LARGEST_PASS].workspace
 
 
 def test_the_default_hip_pass_is_the_largest_the_device_holds(tiny_model_path):

@@ -15,6 +15,7 @@ from ds4ref.backend import Row, StepPlan
 from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_state import lane_context, max_pages_per_slot
 from ds4ref.hip.device_weights import DeviceWeights
+from ds4ref.hip.launch import LARGEST_PASS, expert_list_ints
 from ds4ref.hip.synthetic import flash_config as flash_shaped
 from ds4ref.hip.workspace import (JOINT_OUTPUTS, WorkspaceError, check_pass_fits, flash_table, pass_workspace,
                                   rope_positions, workspace_sizes)
@@ -49,11 +50,11 @@ def holds(cfg, rows: int, n_pages: int, max_context) -> dict[str, int]:
 def test_flash_at_64k_sizes_the_workspace_by_the_lanes_context():
     """16 lanes x 64K on Flash: a pool of 8,192 pages (1M positions), but a lane reaches 64K, so
     the attention partials and indexer scores are 64K's, not 1M's; the 2,048-row pass needs
-    9.8 GiB instead of 72.4."""
+    9.8 GiB instead of 72.4, the 4,096-row pass 19.4 instead of 144.1."""
     cfg = flash_config()
     n_pages = 16 * K64 // T
     assert flash_slices(K64) == 21 and flash_slices(M1) == 261
-    for rows in (256, 1024, 2048):
+    for rows in (256, 1024, 2048, 4096):
         sized = pass_workspace(cfg, 16, n_pages, T, rows, "compact", "official", K64)
         by_pool = pass_workspace(cfg, 16, n_pages, T, rows, "compact", "official")
         assert by_pool == pass_workspace(cfg, 16, n_pages, T, rows, "compact", "official", M1)
@@ -62,34 +63,35 @@ def test_flash_at_64k_sizes_the_workspace_by_the_lanes_context():
         per_row = 4 * (H * (D + 2) * (flash_slices(M1) - flash_slices(K64)) + (M1 - K64) // 4)
         assert by_pool - sized == rows * per_row + 2 * 2 * 4 * 32 * (M1 - K64) + 16 * 4 * (M1 - K64) // T
     table = flash_table()
-    assert "| 65,536 (8,192 pages) | the lanes' context | 1.3 GiB | 4.9 GiB | 9.8 GiB |" in table
+    assert "| 65,536 (8,192 pages) | the lanes' context | 1.3 GiB | 4.9 GiB | 9.8 GiB | 19.4 GiB |" in table
     doc = (Path(__file__).parents[1] / "docs" / "paging.md").read_text()
     assert all(f"  {line}\n" in doc for line in table.splitlines())  # the table docs/paging.md prints
     assert round(pass_workspace(cfg, 16, n_pages, T, 2048, "compact", "official", K64) / GiB, 1) == 9.8
     assert round(pass_workspace(cfg, 16, n_pages, T, 2048, "compact", "official") / GiB, 1) == 72.4
+    assert round(pass_workspace(cfg, 16, n_pages, T, LARGEST_PASS, "compact", "official", K64) / GiB, 1) == 19.4
 
 
 # a pool of 16 lanes' 64K (larger than a lane's context), a pool smaller than max_context, and
 # no max_context (the model's 1M) with a 64K pool: the pool bounds a lane
 @pytest.mark.parametrize("max_context, n_pages", [(K64, 16 * K64 // T), (K64, 100), (None, 512)])
-def test_a_2048_row_flash_shaped_backend_allocates_its_plan(rt, max_context, n_pages):  # noqa: F811
+def test_the_largest_flash_shaped_backend_allocates_its_plan(rt, max_context, n_pages):  # noqa: F811
     """Configured for lanes of max_context positions, HipBackend allocates what pass_workspace
-    plans, byte for byte, and every recorded attention and indexer launch stays within it
-    (128 experts: the expert list kernel takes 2,048 rows of them)."""
-    cfg = flash_shaped(4, 128, M1)
+    plans, byte for byte, and every recorded attention, indexer and expert-list launch stays within
+    it: Flash's 256 experts in passes of up to launch.LARGEST_PASS rows."""
+    cfg = flash_shaped(4, 256, M1)
     assert {r for r in cfg.compress_ratios if r} == {4, 128}
     dw = DeviceWeights.random_flash(rt, cfg, big=0)
     backend = HipBackend(cfg, None, "official", Tables.build(cfg, np.float32), runtime=rt, device_weights=dw,
-                         prefill_rows=2048)
+                         prefill_rows=LARGEST_PASS)
     backend.configure(16, n_pages, T, max_context=max_context)
     st_ = backend.state
     reach = min(max_context or M1, n_pages * T)
     assert st_.context == reach and st_.maxp == -(-reach // T)
-    assert backend.holds == holds(cfg, 2048, n_pages, max_context)
+    assert backend.holds == holds(cfg, LARGEST_PASS, n_pages, max_context)
     assert backend.at_nz == flash_slices(reach) and backend.ncap4 == st_.maxp * T // 4
     beside_state = (st_.btab.nbytes + st_.lanes.nbytes + sum(b.nbytes for b in backend.rope_cs.values())
                     + sum(b.nbytes for name, b in backend._ws.items() if name not in VIEWS))
-    assert beside_state == pass_workspace(cfg, 16, n_pages, T, 2048, "compact", "official", max_context)
+    assert beside_state == pass_workspace(cfg, 16, n_pages, T, LARGEST_PASS, "compact", "official", max_context)
     ws = backend._ws
     for L, program in backend.programs.items():
         for kernel, grid, _block, args, _shared in program.ops:
@@ -98,6 +100,9 @@ def test_a_2048_row_flash_shaped_backend_allocates_its_plan(rt, max_context, n_p
                 assert all(4 * L * H * grid[2] * n <= ws[b].nbytes for b, n in (("at_m", 1), ("at_acc", D)))
             elif kernel.name == "step_indexer_paged":
                 assert 4 * L * int(args[-1]) <= ws["scores"].nbytes and int(args[-1]) == backend.ncap4
+            elif kernel.name == "step_expert_list":
+                assert int(args[2]) == L
+                assert 4 * expert_list_ints(cfg.n_expert, cfg.n_expert_used, L) <= ws["elist"].nbytes
 
 
 def test_a_row_past_the_lanes_context_is_refused_before_it_runs(rt):  # noqa: F811

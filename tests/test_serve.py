@@ -463,7 +463,7 @@ def _serve(*args):
     (["--max-concurrency", "1", "--kv-pool-tokens", "512"], "--kv-pool-tokens"),
     (["--max-context", "999999999"], "--max-context"),
     (["--dry-run", "--max-batched-rows", "8"], "--max-concurrency"),  # 16 decoders need 16 rows a pass
-    (["--dry-run", "--backend", "hip", "--max-batched-rows", "40000"], "must be at most 32768"),  # 8 experts' limit
+    (["--dry-run", "--backend", "hip", "--max-batched-rows", "8192"], "must be at most 4096"),  # LARGEST_PASS
     (["--dry-run", "--max-itl-ms", "-5"], "--max-itl-ms"),
 ])
 def test_bad_flags_exit_nonzero_with_a_message(args, needle):

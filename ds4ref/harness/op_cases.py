@@ -3,7 +3,8 @@
 Like llama.cpp's test-backend-ops, one table drives two modes:
 
 * test mode (tests/gpu/test_ops_gpu.py, `pytest -m gpu`): for each case, hypothesis draws a
-  seed, a row count (a decode pass: 1-16 lanes; a prompt pass: up to 256 rows) and one value
+  seed, a row count (a decode pass: 1-16 lanes; a prompt pass: up to 256 rows; a whole pass: up
+  to launch.LARGEST_PASS rows, for the kernels that take a pass in one block) and one value
   of each of the case's parameters; `make` builds the inputs, and the ds4ref.harness.twins wrapper of the launcher
   and its ds4ref.reference twin must agree bit for bit (`compare`);
 * perf mode (`python -m ds4ref.harness.op_cases --out FILE`, or benchmarks/ops_gpu.py): each
@@ -13,8 +14,8 @@ Like llama.cpp's test-backend-ops, one table drives two modes:
 A case: name; the kernels it runs (a test checks the table covers every kernel the
 backend launches); `gpu` (a wrapper of ds4ref/harness/twins.py: numpy in, numpy out) and `ref` (the
 reference twin, or a small adapter when the reference spells the op differently); `params`
-(name -> the values drawn from); `rows` (which row counts: "decode", "prompt" or "one" for an
-op without lanes); `make(seed, rows, **params)` -> (gpu args, ref args[, gpu keywords]), or
+(name -> the values drawn from); `rows` (which row counts: "decode", "prompt", "pass" or "one" for
+an op without lanes); `make(seed, rows, **params)` -> (gpu args, ref args[, gpu keywords]), or
 None to reject the draw; `compare` ("bits": equal float32 bits, NaN included; "bits, any NaN": NaN
 where the reference has NaN, whatever its payload, and equal bits elsewhere — for ops whose
 arithmetic makes NaNs, as IEEE-754 leaves a made NaN's payload to the hardware: x86 passes an
@@ -44,6 +45,8 @@ from . import twins as g
 
 F32, I32 = np.float32, np.int32
 LANE_ROWS = (17, 40, 129, 256)  # prompt-pass row counts beside 1..16: lane groups, partial groups
+# whole passes past 1,024 rows, step_expert_list's chunk of lanes at Flash's 256 experts, up to the largest
+PASS_ROWS = (1025, 2048, K.LARGEST_PASS)
 QUANTS = ("q2_k", "q4_k", "iq2_xxs", "mxfp4")
 
 
@@ -766,8 +769,6 @@ def _make_qrouted(seed, L, E, kk, shape, down, wtype):
 
 def make_expert_list(seed, L, E, kk, padding, repeats):
     """Routing ids of L lanes (repeats: a lane may choose an expert twice), some lanes padding."""
-    if E * -(-L // 32) > K.EL_BITS:
-        return None
     rng = np.random.default_rng(seed)
     ids = (rng.integers(0, E, (L, kk)) if repeats else
            np.stack([rng.choice(E, kk, replace=kk > E) for _ in range(L)])).astype(I32)
@@ -781,7 +782,9 @@ def ref_expert_list(ids, slots, E):
     L, kk = ids.shape
     rows = []
     for e in range(E):
-        pairs = [l * kk + list(ids[l]).index(e) for l in range(L) if slots[l] >= 0 and e in ids[l]]
+        chose = ids == e
+        lanes = np.flatnonzero(chose.any(axis=1) & (slots >= 0))
+        pairs = (lanes * kk + chose[lanes].argmax(axis=1)).tolist()  # a lane's first choice of e
         for c0 in range(0, len(pairs), K.EL_PAIRS):
             chunk = pairs[c0:c0 + K.EL_PAIRS]
             rows.append([e, len(chunk), *chunk, *[-1] * (K.EL_PAIRS - len(chunk))])
@@ -860,7 +863,7 @@ CASES: tuple[OpCase, ...] = (
     OpCase("argmax", ("ds4_argmax",), g.argmax, lambda x: np.argmax(x, axis=1).astype(I32), make_argmax,
            dict(V=range(1, 140001), dup=[False, True]), compare="equal", perf=perf_argmax),
     OpCase("expert_list", ("step_expert_list",), g.expert_list, ref_expert_list, make_expert_list,
-           dict(E=[4, 16, 256, 1024], kk=[1, 2, 6, 8], padding=[0.0, 0.3], repeats=[False, True]), "prompt",
+           dict(E=[4, 16, 256, 1024], kk=[1, 2, 6, 8], padding=[0.0, 0.3], repeats=[False, True]), "pass",
            compare="equal"),
     OpCase("routed_experts", ("step_expert_list", "step_experts3_*"), g.routed_experts, ref_experts,
            _make_routed, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],

@@ -12,6 +12,7 @@ QG_BUILD = {"q8_0": 3, "q2_k": 4, "q4_k": 5, "iq2_xxs": 6, "mxfp4": 7}
 # Tuning macros (DS4REF_KERNEL_DEFINES) the GPU twins set: none changes a bit.
 ATTENTION_TUNING = ("AT_KT=8", "AT_HPW=2", "AT_KT=8 AT_HPW=2", "AT_KT=4", "AT_SLD=1", "AT_SLD=3 AT_KT=8")
 ATTENTION_COMBINE_TUNING = "AT_CZ=2"
+EXPERT_LIST_TUNING = "EL_CHUNK_WORDS=1"  # step_expert_list's lanes in chunks of 32
 # qgemm: (macros, weight types). QG_DOT4=1 is AMD's default and NVIDIA's forced twin of it.
 QGEMM_TUNING = (("QG_AHEAD=2", ("q8_0", "q2_k", "iq2_xxs")),
                 ("QG_AHEAD=3 QG_MIN_BLOCKS=2", ("q8_0", "q2_k", "iq2_xxs")),
@@ -47,6 +48,7 @@ def qgemm_tuning_cases() -> list[tuple[str, str]]:
 def tuning_builds(vendor: str = "nvidia") -> list[tuple[str, tuple[str, ...]]]:
     """(file, options) of every tuning variant the GPU twins compile on `vendor` ("nvidia", "amd")."""
     builds = [("step_state.hip", defines(m)) for m in (*ATTENTION_TUNING, ATTENTION_COMBINE_TUNING)]
+    builds.append(("step_ops.hip", defines(EXPERT_LIST_TUNING)))
     builds += [("qgemm.hip", qgemm_options(w) + defines(m)) for m, w in qgemm_tuning_cases()
                if vendor == "nvidia" or NVIDIA_ONLY not in m]
     return builds

@@ -263,21 +263,27 @@ def launch_swiglu_act(rt, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, n: 
 
 EL_PAIRS = DECODE_LANES  # step_expert_list's entry: expert id, pair count, up to 16 (lane, choice) pairs
 EL_STRIDE = 2 + EL_PAIRS
-EL_BITS, EL_EXPERTS = 8192, 1024  # step_expert_list's (expert, lane) bit words and experts in shared memory
+EL_BITS, EL_EXPERTS = 8192, 1024  # step_expert_list's bit words a chunk of lanes, and its most experts
+# The most rows of one pass. The kernels have no cap of their own below it (step_expert_list takes
+# the lanes in chunks; every index past 2^31 elements is 64-bit), and what a pass of it needs is the
+# memory plan's to allow: the workspace grows with the rows, for Flash's 16 lanes of 64K 9.8 GiB at
+# 2,048 rows and 19.4 GiB at 4,096 (docs/paging.md), more than half of it attention partials.
+# 8,192 rows would take 38.8 GiB, two thirds of what an H200 (139 GiB) has beside Flash's q2 weights
+# (80.8 GiB) and before its KV pages, for experts that hold about 96 (lane, choice) pairs each at 4,096.
+LARGEST_PASS = 4096
 
 
 def launch_expert_list(rt, ids, slots, L: int, kk: int, n_expert: int, elist) -> None:
     """elist <- step_expert_list's work entries for the routing ids (L, kk) of a pass of L lanes."""
-    _need(n_expert <= EL_EXPERTS and n_expert * -(-L // 32) <= EL_BITS,
-          f"expert list: {n_expert} experts x {L} lanes exceed the kernel's shared memory")
+    _need(1 <= n_expert <= EL_EXPERTS, f"expert list: {n_expert} experts exceed the kernel's {EL_EXPERTS}")
     rt.launch(rt.compile_file("step_ops.hip").kernel("step_expert_list"), (1,), (256,),
               (ids, slots, I32(L), I32(kk), I32(n_expert), elist))
 
 
 def largest_pass(cfg) -> int:
-    """The most rows one pass of this model can hold: step_expert_list marks each (expert, lane)
-    choice in a shared-memory bit set of EL_BITS words of 32 lanes (256 experts: 1024 rows)."""
-    return 32 * (EL_BITS // cfg.n_expert) if cfg.n_expert <= EL_EXPERTS else 0
+    """The most rows one pass of this model can hold: LARGEST_PASS for a model of up to EL_EXPERTS
+    experts (step_expert_list's shared memory holds two counts an expert), else none."""
+    return LARGEST_PASS if cfg.n_expert <= EL_EXPERTS else 0
 
 
 def expert_list_ints(n_expert: int, kk: int, L: int = DECODE_LANES) -> int:

@@ -209,7 +209,7 @@ def with_pass_workspace(plan: MemoryPlan, max_pass_rows: int, numerics: str) -> 
                    workspace_rows=max_pass_rows)
 
 
-def flash_table(lanes: int = 16, contexts=(1 << 16, 1 << 20), rows=(256, 1024, 2048)) -> str:
+def flash_table(lanes: int = 16, contexts=(1 << 16, 1 << 20), rows=(256, 1024, 2048, 4096)) -> str:
     """docs/paging.md's table: Flash's pass workspace (compact rows, official numerics) for `lanes`
     lanes of each context, a pool of lanes x context, sized by the pool's reach up to the model's
     context (no max_context) and by the lanes' context."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ..backend import DECODE_LANES
 
-# a lone prompt's pass when serving; the hip backend's is at most hip.launch.largest_pass (Flash: 1024
-# rows, x top-6 of 256 experts = 24 rows an expert, where a 256-row pass gives it 6)
+# a lone prompt's pass when serving (the hip backend's at most hip.launch.largest_pass, 4096): at
+# Flash's top-6 of 256 experts each expert holds about 48 rows, where a 256-row pass gives it 6
 LONG_PASS_ROWS = 2048
 DEFAULT_MAX_ITL_MS = 150.0  # docs/scheduler.md "How passes are sized" says why (measured on the H200)
 MIN_PROMPT_ROWS = DECODE_LANES  # prompt rows a pass beside decoders holds at least: prompts never starve

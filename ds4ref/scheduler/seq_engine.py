@@ -51,6 +51,10 @@ from .request import NON_FINITE_VALUES, Request
 from .sampling import Choice, SlotSampler
 from .speculative import MIN_RATE, WINDOW, Acceptance, BackendDrafter, Drafter
 
+# the fewest pages between a prompt's snapshots by default (a largest pass of more pages sets more):
+# a prompt diverging in its middle resumes no further back than that from the divergence
+SNAPSHOT_PAGES = 8
+
 log = logging.getLogger(__name__)
 
 
@@ -144,14 +148,16 @@ class SeqEngine:
     def __init__(self, backend: Backend, config, max_concurrency: int = 16,
                  kv_pool_tokens: Optional[int] = None, page_tokens: int = PAGE_TOKENS,
                  max_context: Optional[int] = None, page_order_seed: Optional[int] = None,
-                 prefix_cache: bool = True, snapshot_every: int = 8, max_snapshots: Optional[int] = None,
+                 prefix_cache: bool = True, snapshot_every: Optional[int] = None, max_snapshots: Optional[int] = None,
                  speculative_tokens: int = 0, drafter: Optional[Drafter] = None, spec_min_rate: float = MIN_RATE,
                  spec_window: int = WINDOW):
         """config needs .eos_id, .vocab_size, .context_length (a DS4Config has them).
         max_concurrency: live sequences, at most the decode lanes (DECODE_LANES, or the backend's
         max_pass_rows if smaller), since every one of them may be decoding in the same pass.
         prefix_cache: reuse cached pages and state (a backend without save_state/load_state/
-        drop_state runs without); snapshot_every: pages between a prompt's snapshots;
+        drop_state runs without); snapshot_every: pages between a prompt's snapshots (default
+        SNAPSHOT_PAGES, or a largest pass's pages where that is more, so that a lone prompt's
+        passes are whole);
         max_snapshots: snapshots held at once (default SNAPSHOTS_PER_SLOT per slot).
         speculative_tokens: drafts per round (0: off); drafter: where drafts come from (default
         the backend's MTP block); spec_min_rate, spec_window: the auto-off rule (speculative.py)."""
@@ -169,6 +175,8 @@ class SeqEngine:
         self.kv_pool_tokens = kv_pool_tokens
         n_pages = pool_pages(max_concurrency, self.max_context, kv_pool_tokens, page_tokens)
         self.pool = PagePool(n_pages, page_tokens, order_seed=page_order_seed)
+        if snapshot_every is None:
+            snapshot_every = max(SNAPSHOT_PAGES, self.max_pass_rows // page_tokens)
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1 page, got {snapshot_every}")
         self.snapshot_every = snapshot_every

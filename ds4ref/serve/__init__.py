@@ -91,7 +91,7 @@ def pass_rows(backend: str, config, max_batched_rows: Optional[int]) -> int:
     if max_batched_rows is None:
         return min(LONG_PASS_ROWS, most)
     if max_batched_rows > most:
-        raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at most {most}: the hip kernels run "
+        raise ValueError(f"--max-batched-rows ({max_batched_rows}) must be at most {most}: the hip backend runs "
                          f"passes of up to {most} rows of a model of {config.n_expert} experts")
     return max_batched_rows
 

@@ -10,6 +10,7 @@ import sys
 from ..console import HelpFormatter
 from ..settings import getenv
 
+from ..hip.launch import LARGEST_PASS
 from ..scheduler.pass_cost import DEFAULT_MAX_ITL_MS, LONG_PASS_ROWS
 from . import DECODE_LANES
 from .connections import HEADER_TIMEOUT_S
@@ -108,7 +109,8 @@ def parser() -> argparse.ArgumentParser:
                    help="most rows of one pass, decode rows included (vLLM's max_num_batched_tokens): the pass a "
                         "long prompt runs in while no request decodes, and the backend's largest pass (the hip "
                         "backend's workspace scales with it); at least --max-concurrency (default: "
-                        f"{LONG_PASS_ROWS}, for hip at most what its kernels run: 1024 rows for Flash's 256 experts)")
+                        f"{LONG_PASS_ROWS}, for hip halved until the device holds it; hip runs passes of up to "
+                        f"{LARGEST_PASS} rows)")
     p.add_argument("--max-itl-ms", type=non_negative_number("milliseconds"), default=DEFAULT_MAX_ITL_MS,
                    help="inter-token budget: a pass with decoding requests gets the prompt rows whose pass the "
                         "engine's measured cost model predicts within this many ms (at least 16 rows, so prompts "

@@ -13,11 +13,11 @@ comparison here is bitwise, in both numerics:
     in another slot and on other pages;
 (d) one graph capture serves passes across many ratio-4 boundaries while lanes come and go;
 (e) the golden greedy continuations through the Engine with the HIP backend;
-(f) prompt passes of up to LONG_PASS_ROWS = 2048 rows (every capacity bucket, chunked
+(f) prompt passes of up to launch.LARGEST_PASS = 4096 rows (every capacity bucket, chunked
     prefill): every row's logits and the stored state are bitwise those of one row a pass,
-    whichever other slots' rows share the pass. The tiny model's 8 experts let a pass hold
-    2048 rows (Flash's 256: 1024, hip.launch.largest_pass); the kernels a 2048-lane pass runs
-    are the ones every pass past 16 lanes runs, over more lane groups.
+    whichever other slots' rows share the pass. The kernels a 4096-lane pass runs are the ones
+    every pass past 16 lanes runs, over more lane groups; step_expert_list's chunks of lanes
+    (1024 at Flash's 256 experts, 32768 at the tiny model's 8) are checked by its op twin.
 Skipped with the reason when no GPU runtime opens (tests/gpu/conftest.py).
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ import ds4ref
 from ds4ref.backend import Row, StepPlan
 from ds4ref.scheduler.engine import Engine
 from ds4ref.reference.numpy_backend import NumpyBackend
+from ds4ref.hip.launch import LARGEST_PASS
 from ds4ref.scheduler.pass_cost import LONG_PASS_ROWS
 from ds4ref.scheduler.request import Request, Sampling, TokenEvent
 
@@ -334,7 +335,7 @@ def test_golden_greedy_on_hip(model, rt):
 
 
 # ---------------------------------------------------------------------------
-# (f) prompt passes: every bucket up to 2048 lanes
+# (f) prompt passes: every bucket up to LARGEST_PASS (4096) lanes
 # ---------------------------------------------------------------------------
 
 
@@ -345,7 +346,7 @@ def prompt_passes(draw):
     sizes, left = [], length
     while left > 0:
         n = min(left, draw(st.sampled_from([1, 3, 16, 17, 100, 129, 255, 256, 257, 700, 1024, LONG_PASS_ROWS])))
-        crowd = draw(st.integers(0, LONG_PASS_ROWS - n))
+        crowd = draw(st.integers(0, LARGEST_PASS - n))
         sizes.append((n, crowd))
         left -= n
     return length, sizes, draw(st.integers(0, 2**32 - 1))
@@ -355,22 +356,22 @@ def prompt_passes(draw):
 @settings(max_examples=PREFILL_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=prompt_passes())
 def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
-    """A prompt fed in passes of up to 2048 rows, among other slots' prompt rows and decode
-    rows on random lanes and pages, gives every row the logits of decode_logits (one row a
+    """A prompt fed in passes of up to LARGEST_PASS (4096) rows, among other slots' prompt rows and
+    decode rows on random lanes and pages, gives every row the logits of decode_logits (one row a
     pass) and leaves the same stored bytes as NumpyBackend fed one row a pass."""
     length, sizes, seed = case
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, model.config.vocab_size, length)
     want = model.reference.decode_logits(ids)
-    n_slots, n_pages, target = 6, 64, 4
-    b = hip(model, rt, LONG_PASS_ROWS)
+    n_slots, n_pages, target, n_table = 6, 128, 4, 18
+    b = hip(model, rt, LARGEST_PASS)
     b.configure(n_slots, n_pages)
     pages = [int(p) for p in rng.permutation(n_pages)]
-    tables = {s: [pages.pop() for _ in range(9)] for s in range(n_slots)}  # 1152 positions each
+    tables = {s: [pages.pop() for _ in range(n_table)] for s in range(n_slots)}  # 2304 positions each
     for s in range(n_slots):
         b.reset_slot(s)
         b.set_block_table(s, tables[s])
-    others = {s: rng.integers(0, 512, 9 * 128) for s in range(n_slots) if s != target}
+    others = {s: rng.integers(0, 512, n_table * 128) for s in range(n_slots) if s != target}
     pos = {s: 0 for s in range(n_slots)}
     got, i, passes = [], 0, 0
     for n, crowd in sizes:
@@ -378,7 +379,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
         rest = []
         for s in rng.permutation(sorted(others)):
             s = int(s)
-            k = min(int(rng.integers(1, crowd + 2)), crowd - len(rest), 9 * 128 - pos[s])
+            k = min(int(rng.integers(1, crowd + 2)), crowd - len(rest), n_table * 128 - pos[s])
             rest += [Row(s, pos[s] + j, int(others[s][pos[s] + j]), False, j == k - 1) for j in range(max(k, 0))]
         at = int(rng.integers(0, len(rest) + 1))
         plan = rest[:at] + mine + rest[at:]
@@ -389,7 +390,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
             pos[r.slot] += 1
         i += n
     assert len(got) == length
-    assert_rows_bitwise(got, want, f"[{model.numerics}] prompt passes of up to {LONG_PASS_ROWS} rows vs decode_logits")
+    assert_rows_bitwise(got, want, f"[{model.numerics}] prompt passes of up to {LARGEST_PASS} rows vs decode_logits")
     assert b.capture_count <= len(b.buckets) and b.replay_count == passes
 
     ref = NumpyBackend(model.reference)

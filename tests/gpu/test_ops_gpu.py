@@ -22,7 +22,8 @@ from ds4ref.hip import launch as K
 from ds4ref.hip import layouts
 from ds4ref.hip.device_state import ROW_F32, ROW_KV
 from ds4ref.harness import twins as g
-from ds4ref.harness.op_cases import BY_NAME, CASES, LANE_ROWS, QUANTS, canon_qlinear, make_weight, rnd, run_case
+from ds4ref.harness.op_cases import (BY_NAME, CASES, LANE_ROWS, PASS_ROWS, QUANTS, canon_qlinear, make_weight, rnd,
+                                     run_case)
 from ds4ref.reference import ops as ref
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,8 @@ lanes = st.integers(1, 16)
 # a prompt pass: the matvec runs in lane groups of 16, an expert chosen by more than 16
 # lanes gets several work entries
 wide_lanes = st.one_of(lanes, st.sampled_from(LANE_ROWS))
-ROWS = {"decode": lanes, "prompt": wide_lanes, "one": st.just(1)}
+ROWS = {"decode": lanes, "prompt": wide_lanes, "pass": st.one_of(wide_lanes, st.sampled_from(PASS_ROWS)),
+        "one": st.just(1)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -287,3 +289,23 @@ def test_attention_combine_across_weight_chunks(rt, monkeypatch, seed):
     for a, b in zip(got, want):
         assert same_bits(a, b)
 
+
+
+@pytest.mark.parametrize("L", PASS_ROWS)
+@pytest.mark.parametrize("E,kk", [(256, 6), (1024, 8), (8, 6)])
+def test_expert_list_whole_passes(rt, L, E, kk):
+    """step_expert_list over a whole pass of up to launch.LARGEST_PASS rows: the lanes in several
+    chunks of its shared bit set at Flash's 256 experts (1,024 lanes a chunk) and at 1,024 (256),
+    in one at the tiny model's 8; padding lanes and repeated choices among them. The list is
+    op_cases.ref_expert_list's, entry for entry."""
+    got, want = run_case(BY_NAME["expert_list"], 11 + L, L, rt, E=E, kk=kk, padding=0.3, repeats=True)
+    assert np.array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("E,L", [(4, 700), (16, 129), (256, 40)])
+def test_expert_list_chunks_change_nothing(rt, monkeypatch, E, L):
+    """Chunks of 32 lanes (the tuning macro EL_CHUNK_WORDS=1) give the list of one chunk: an
+    expert's pairs cross chunks, entries too."""
+    monkeypatch.setenv("DS4REF_KERNEL_DEFINES", builds.EXPERT_LIST_TUNING)
+    got, want = run_case(BY_NAME["expert_list"], 5, L, rt, E=E, kk=6, padding=0.3, repeats=True)
+    assert np.array_equal(got[0], want[0])

@@ -205,6 +205,8 @@ DS4_QMATVEC(ds4_qmatvec_mxfp4_r2, WT_MXFP4, 2)
 // Routed experts (step_ops.hip's ex3_body with quantised inputs): work entries of the expert
 // list (expert id, pair count, up to 16 (lane, choice) pairs), each item one row block of the
 // expert. Input of pair lt: row lt (x_per_choice) or lt / kk of the quantised rows, K wide.
+// A pair's sum does not depend on the other pairs of its entry: its own accumulators, its blocks
+// in one order for any na (a chunk starts at a multiple of MQ_CHUNK_UNIT columns).
 
 template <int WT, int R>
 DS4_BODY void qx_body(const ds4_u8* __restrict__ W, long long rb, const ds4_i8* xq, const float* dx,

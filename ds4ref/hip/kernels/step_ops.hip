@@ -79,14 +79,22 @@ extern "C" __global__ void step_hash_ids(const int* tid2eid, const int* tok, int
 // per EL_PAIRS of its pairs; entries are in ascending expert id, an expert's pairs in lane
 // order, so an expert's entries sit side by side and read its rows at about the same time.
 
-// One block of 256 threads; E <= 1024 and E * ceil(L / 32) <= EL_BITS (the host checks). A lane
-// counts once for an expert, at its first choice of it. The choices mark a bit per (expert, lane);
-// then an expert's pair count is its bits' population, its first entry a scan over the experts,
-// and a choice's place among the expert's pairs the population of the bits below its lane: every
-// step runs over all choices at once (the walk of every choice per expert that this replaced took
-// 190 us for a 256-row pass on the H200).
+// One block of 256 threads; E <= EL_EXPERTS (the host checks), any L. A lane counts once for an
+// expert, at its first choice of it. An expert's pair count is the number of its first choices,
+// its first entry a scan over the experts. The lanes then run in chunks whose (expert, lane) bit
+// set fits shared memory (EL_BITS words: 32 * (EL_BITS / E) lanes a chunk, 1024 at 256 experts):
+// a choice's place among its expert's pairs is the pairs the expert had in earlier chunks plus
+// the population of the chunk's bits below its lane. Every step runs over all of a chunk's
+// choices at once (the walk of every choice per expert that this replaced took 190 us for a
+// 256-row pass on the H200), and the list is the same whatever the chunk size.
 #define EL_BITS 8192
 #define EL_EXPERTS 1024
+// A tuning macro (DS4REF_KERNEL_DEFINES; it changes no bit): the most bit words an expert gets in
+// a chunk, so the op twins cross chunks at small passes and few experts.
+#ifndef EL_CHUNK_WORDS
+#define EL_CHUNK_WORDS EL_BITS
+#endif
+static_assert(EL_BITS >= EL_EXPERTS && EL_CHUNK_WORDS >= 1, "every expert needs a word of a chunk");
 
 // Whether choice i (lane i / kk) is a valid lane's first choice of its expert; *e its expert.
 __device__ __forceinline__ bool el_first_choice(const int* __restrict__ ids, const int* __restrict__ slot, int kk,
@@ -102,28 +110,26 @@ __device__ __forceinline__ bool el_first_choice(const int* __restrict__ ids, con
 extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const int* __restrict__ slot, int L,
                                             int kk, int E, int* __restrict__ list) {
     DS4_KERNEL_ENTRY;
-    __shared__ unsigned bits[EL_BITS];  // bits[e * W + w] bit b: lane 32 w + b chose e
-    __shared__ int cnt[EL_EXPERTS], first[EL_EXPERTS], wsum[32];
-    int W = (L + 31) / 32, tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
-    for (int i = tid; i < E * W; i += blockDim.x) bits[i] = 0u;
+    __shared__ unsigned bits[EL_BITS];  // bits[e * CW + w] bit b: lane c0 + 32 w + b of the chunk chose e
+    // at[e]: the list place (entry * EL_PAIRS + pair) of e's next pair; left[e]: e's pairs not yet placed
+    __shared__ int at[EL_EXPERTS], left[EL_EXPERTS], wsum[32];
+    int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP;
+    int W = (L + 31) / 32, CW = EL_BITS / E;
+    CW = CW < EL_CHUNK_WORDS ? CW : EL_CHUNK_WORDS;
+    CW = CW < W ? CW : W;
+    for (int e = tid; e < E; e += blockDim.x) left[e] = 0;
     __syncthreads();
-    for (int i = tid; i < L * kk; i += blockDim.x) {
-        int e, l = i / kk;
-        if (el_first_choice(ids, slot, kk, E, i, &e)) atomicOr(&bits[e * W + l / 32], 1u << (l % 32));
+    for (int i = tid; i < L * kk; i += blockDim.x) {  // integer counts: the same in any order
+        int e;
+        if (el_first_choice(ids, slot, kk, E, i, &e)) atomicAdd(&left[e], 1);
     }
     __syncthreads();
-    for (int e = tid; e < E; e += blockDim.x) {
-        int c = 0;
-        for (int w = 0; w < W; ++w) c += __popc(bits[e * W + w]);
-        cnt[e] = c;
-    }
-    __syncthreads();
-    // first[e]: the entries of the experts before e (EL_EXPERTS / 256 experts a thread, then a scan)
+    // entries before e (EL_EXPERTS / 256 experts a thread, then a scan)
     const int per = EL_EXPERTS / 256;
     int own = 0;
     for (int j = 0; j < per; ++j) {
         int e = per * tid + j;
-        own += e < E ? (cnt[e] + EL_PAIRS - 1) / EL_PAIRS : 0;
+        own += e < E ? (left[e] + EL_PAIRS - 1) / EL_PAIRS : 0;
     }
     int incl = own;
     for (int o = 1; o < DS4_WARP; o <<= 1) {
@@ -137,23 +143,42 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
     for (int j = 0; j < per; ++j) {
         int e = per * tid + j;
         if (e < E) {
-            first[e] = before;
-            before += (cnt[e] + EL_PAIRS - 1) / EL_PAIRS;
+            at[e] = before * EL_PAIRS;
+            before += (left[e] + EL_PAIRS - 1) / EL_PAIRS;
         }
     }
     if (tid == blockDim.x - 1) list[0] = before;
-    __syncthreads();
-    for (int i = tid; i < L * kk; i += blockDim.x) {
-        int e, l = i / kk;
-        if (!el_first_choice(ids, slot, kk, E, i, &e)) continue;
-        int c = __popc(bits[e * W + l / 32] & ((1u << (l % 32)) - 1u));
-        for (int w = 0; w < l / 32; ++w) c += __popc(bits[e * W + w]);
-        int* ent = list + 1 + (first[e] + c / EL_PAIRS) * EL_STRIDE;
-        if (c % EL_PAIRS == 0) {
-            ent[0] = e;
-            ent[1] = cnt[e] - c < EL_PAIRS ? cnt[e] - c : EL_PAIRS;
+    for (int c0 = 0; c0 < L; c0 += 32 * CW) {
+        int c1 = c0 + 32 * CW < L ? c0 + 32 * CW : L;
+        __syncthreads();  // the previous chunk's places and counts are taken (the scan's, the first time)
+        for (int i = tid; i < E * CW; i += blockDim.x) bits[i] = 0u;
+        __syncthreads();
+        for (int i = c0 * kk + tid; i < c1 * kk; i += blockDim.x) {
+            int e, l = i / kk - c0;
+            if (el_first_choice(ids, slot, kk, E, i, &e)) atomicOr(&bits[e * CW + l / 32], 1u << (l % 32));
         }
-        ent[2 + c % EL_PAIRS] = i;
+        __syncthreads();
+        for (int i = c0 * kk + tid; i < c1 * kk; i += blockDim.x) {
+            int e, l = i / kk - c0;
+            if (!el_first_choice(ids, slot, kk, E, i, &e)) continue;
+            int c = __popc(bits[e * CW + l / 32] & ((1u << (l % 32)) - 1u));
+            for (int w = 0; w < l / 32; ++w) c += __popc(bits[e * CW + w]);
+            int g = at[e] + c;
+            int* ent = list + 1 + (g / EL_PAIRS) * EL_STRIDE;
+            if (g % EL_PAIRS == 0) {
+                ent[0] = e;
+                ent[1] = left[e] - c < EL_PAIRS ? left[e] - c : EL_PAIRS;
+            }
+            ent[2 + g % EL_PAIRS] = i;
+        }
+        if (c1 == L) break;  // the same for every thread: nothing reads the counts after the last chunk
+        __syncthreads();
+        for (int e = tid; e < E; e += blockDim.x) {
+            int c = 0;
+            for (int w = 0; w < CW; ++w) c += __popc(bits[e * CW + w]);
+            at[e] += c;
+            left[e] -= c;
+        }
     }
 }
 
@@ -162,7 +187,11 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
 // so consecutive blocks read consecutive rows of one expert. x_l = x[l] (gate/up) or
 // x[l, t] (down, x_per_choice). Each item runs matvec v3's body (ds4_mv3.h) over the
 // expert's pairs in lane order: a pair's column order and operation sequence are the dense
-// matvec's, so a lane's result never depends on which other lanes chose the expert.
+// matvec's, so a lane's result never depends on which other lanes chose the expert. Nor on how
+// the list cuts an expert's pairs into entries (so not on the pass's size or the list kernel's
+// chunks): each pair has its own accumulators, the staged chunk KC is a multiple of 256 columns
+// for any pair count na, so a thread meets its columns in one order, and mv3_store_sums reduces
+// each pair's accumulators alone. qdot.hip's qx_body holds to the same (MQ_CHUNK_UNIT).
 template <int WT, int R, int U>
 DS4_BODY void ex3_body(const ds4_u8* __restrict__ W, const float* __restrict__ x, int x_per_choice,
                          const int* __restrict__ list, float* __restrict__ y, int N, int K, int kk) {
