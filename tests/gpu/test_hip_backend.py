@@ -200,6 +200,7 @@ def test_engine_tokens_equal_across_backends(model, rt, shard, case):
     dev = hip(model, rt, LONG_PASS_ROWS)
     want = run_engine(model, numpy_like(model, dev), mix, quantum)
     got = run_engine(model, dev, mix, quantum)
+    dev.close()  # device memory is freed by close(), not by the collector: each example's, at once
     assert got[0] == want[0], "tokens differ"
     assert got[1] == want[1], "token events (logprobs) differ"
     assert got[2] == want[2], "finishes differ"
@@ -221,6 +222,7 @@ def test_a_workspace_sized_by_max_context_gives_the_same_bits(model, rt, case, m
     want = run_engine(model, numpy_like(model, dev), mix, quantum, max_context)
     got = run_engine(model, dev, mix, quantum, max_context)
     assert dev.at_nz < hip_slices_for_model_context(model, dev), "the small context did not shrink the slices"
+    dev.close()
     assert got == want, "a backend sized by max_context differs from the reference"
 
 
@@ -406,6 +408,7 @@ def test_prompt_pass_rows_equal_one_row_a_pass(model, rt, shard, case):
             assert np.array_equal(got_b[page], want_b[page]), f"layer {il} {kind}, page {page}: bytes differ"
     ring = rt.download(st_.rings, (n_slots, st_.ring_slot_bytes), np.uint8)
     want_r = np.ascontiguousarray(ref.rings).view(np.uint8).reshape(n_slots, -1)
+    b.close()
     assert np.array_equal(ring[target], want_r[target]), "raw window rings differ"
 
 
