@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--concurrency", default="1,4,16", help="e.g. 1,4,16")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded tiny model)")
     p.add_argument("--mtp", default=None, help="separate MTP GGUF for --model")
-    p.add_argument("--dspark", default=None, metavar="FILE", help="DSpark draft GGUF for --model (numpy backend)")
+    p.add_argument("--dspark", default=None, metavar="FILE", help="DSpark draft GGUF for --model")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy")
     p.add_argument("--synthetic", choices=("8layer", "full"), default=None,
                    help="hip/synthetic.py's random Flash-shaped model on the GPU (full: with a random MTP block)")

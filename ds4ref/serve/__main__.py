@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                         "--mtp, ds4ref's) or antirez's (mtp.0.*); the embedded model's ships beside it")
     p.add_argument("--dspark", default=None, metavar="FILE",
                    help="a DSpark draft GGUF for --model (llama.cpp's dflash file or antirez's DSpark support "
-                        "file): --speculative-tokens K (K <= its block size) then drafts with it (numpy backend)")
+                        "file): --speculative-tokens K (K <= its block size) then drafts with it")
     p.add_argument("--backend", choices=("numpy", "hip"), default="numpy",
                    help="numpy: the exact reference; hip: the GPU fast path")
     p.add_argument("--numerics", choices=("official", "plain"), default="official",
