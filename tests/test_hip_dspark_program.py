@@ -150,7 +150,7 @@ def test_a_draft_call_runs_feed_then_block(model, rt):
     for s in range(2):
         b.reset_slot(s)
         b.set_block_table(s, [4 * s, 4 * s + 1])
-    with pytest.raises(RuntimeError, match="needs the taps of the last step"):
+    with pytest.raises(RuntimeError, match="needs the streams of the last step"):
         b.draft([DraftRequest(0, (0,), (1,), 1)])
     b.step(StepPlan.from_rows([Row(0, p, 5 + p) for p in range(20)] + [Row(1, 0, 7)], b.max_pass_rows))
     ds = b.dspark

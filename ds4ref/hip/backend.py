@@ -338,6 +338,16 @@ class HipBackend:
         """DSpark proposes one block a round: at most its block size (SeqEngine checks k)."""
         return self.dspark.max_draft_tokens if self.dspark is not None else None
 
+    def _draft_requests(self, requests) -> list:
+        """The requests of a draft call, which reads what the last step() left (the MTP block its
+        final streams, DSpark its taps) and overwrites the streams."""
+        self.rt.bind_thread()
+        requests = list(requests)
+        if requests and self._streams_at is None:
+            raise RuntimeError("draft() needs the streams of the last step(), and a draft() since has "
+                               "overwritten them (call draft once after each step)")
+        return requests
+
     def _draft(self, requests) -> list[np.ndarray]:
         if self.dspark is not None:
             return self.dspark_draft(requests)[0]
@@ -347,14 +357,9 @@ class HipBackend:
         """Feed every request's rows to the draft's rings, then one block pass for the requests
         with k >= 1; a request's drafts are its block's first k (hip/dspark.py). With want_logits
         (tests) also each drafting request's (B, vocab) logits, the block's whole chain."""
-        self.rt.bind_thread()
-        st, ds = self._need_state(), self.dspark
-        requests = list(requests)
+        st, ds, requests = self._need_state(), self.dspark, self._draft_requests(requests)
         if not requests:
             return [], []
-        if self._streams_at is None:
-            raise RuntimeError("draft() needs the taps of the last step(), and a draft() since has used them "
-                               "(call draft once after each step)")
         feed = feed_pass(requests, self._streams_at, ds.fed, st.n_slots, self.cfg.vocab_size)
         fed = ds.fed.copy()
         for q in requests:
@@ -386,16 +391,11 @@ class HipBackend:
 
     def draft_with_logits(self, requests, want_logits: bool = False):
         """draft(), and with want_logits each request's k draft logits (vocab,) too (tests)."""
-        self.rt.bind_thread()
-        st = self._need_state()
         if self.mtp is None:
             raise RuntimeError("draft_with_logits: this model has no MTP block")
-        requests = list(requests)
+        st, requests = self._need_state(), self._draft_requests(requests)
         if not requests:
             return [], []
-        if self._streams_at is None:
-            raise RuntimeError("draft() needs the streams of the last step(), and a draft() since has "
-                               "overwritten them (call draft once after each step)")
         first = first_pass(requests, self._streams_at, st.n_slots, self.cfg.vocab_size)
         if last_position(requests) >= self._rope_rows:
             raise ValueError(f"draft: position {last_position(requests)} is past the RoPE table "

@@ -41,6 +41,7 @@ from . import buffers
 from . import launch as K
 from .device_state import DeviceState, lane_fields
 from .device_weights import MTP_HEAD, WTYPE_CODE, DeviceWeights
+from .draft import DraftDevice
 
 I32 = np.int32
 MARKOV_W1, MARKOV_W2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
@@ -156,7 +157,7 @@ def device_bytes(stages, dcfg, n_slots: int, n_pages: int, page_tokens: int, max
             + 4 * R * (2 + dcfg.block_size + dcfg.markov_rank + (1 + dcfg.block_size) * V))
 
 
-class DSparkDevice:
+class DSparkDevice(DraftDevice):
     """The draft's weights, per-slot state (its stages' rings: a DeviceState of state_config),
     pass buffers and recorded programs (`feed` and `draft`, one per capacity bucket)."""
 
@@ -180,15 +181,16 @@ class DSparkDevice:
         if w1.wtype not in GATHER_WTYPES or w1.packed:
             raise ValueError(f"DSpark {self.w1} stored as {w1.wtype}: the device reads its rows in "
                              f"{', '.join(GATHER_WTYPES)} only")
-        self.state: DeviceState | None = None
-        self.feed_programs: dict[int, object] = {}
-        self.draft_programs: dict[int, object] = {}
-        self.graphs: dict[str, dict] = {"feed": {}, "draft": {}}
-        self._bufs: dict[str, object] = {}
-        self._q8: K.Q8Rows | None = None
+        self._init_buffers()
+        self._reset_programs()
         self.R = 0
         self.fed = np.zeros(0, np.int64)  # per slot: the positions fed to its rings so far
         self._fed_at: dict[int, int] = {}  # snapshot id -> the slot's fed positions then
+
+    def _reset_programs(self) -> None:
+        self.feed_programs: dict[int, object] = {}
+        self.draft_programs: dict[int, object] = {}
+        self.graphs: dict[str, dict] = {"feed": {}, "draft": {}}
 
     @property
     def max_draft_tokens(self) -> int:
@@ -218,13 +220,8 @@ class DSparkDevice:
         # the K-split scratch, where main_proj's (or markov_w2's) is wider than the main model's
         split = max(K.ksplit_floats(proj.rows, proj.cols, n), K.ksplit_floats(V, self.dcfg.markov_rank, R))
         self._bufs["part"] = self._zeros(split) if 4 * split > backend._ws["ksplit"].nbytes else None
-        self.feed_programs, self.draft_programs, self.graphs = {}, {}, {"feed": {}, "draft": {}}
+        self._reset_programs()
         rt.synchronize()
-
-    def _zeros(self, n: int):
-        buf = self.rt.malloc(4 * max(n, 1))
-        self.rt.memset32(buf, 0, max(n, 1))
-        return buf
 
     @property
     def taps_rows(self):
@@ -300,29 +297,25 @@ class DSparkDevice:
 
     # ---- the slots' draft state: its rings (DeviceState) and fed positions -----------
     def reset_slot(self, slot: int) -> None:
-        self.state.reset_slot(slot)
+        super().reset_slot(slot)
         self.fed[slot] = 0
 
     def save_state(self, slot: int) -> int:
-        sid = self.state.save_state(slot)
+        sid = super().save_state(slot)
         self._fed_at[sid] = int(self.fed[slot])
         return sid
 
     def restore_state(self, slot: int, snapshot: int) -> None:
-        self.state.restore_state(slot, snapshot)
+        super().restore_state(slot, snapshot)
         self.fed[slot] = self._fed_at[snapshot]
 
     def drop_state(self, snapshot: int) -> None:
-        self.state.drop_state(snapshot)
+        super().drop_state(snapshot)
         del self._fed_at[snapshot]
 
     # ---- running -------------------------------------------------------------------
     def write_feed(self, p: FeedPass) -> None:
-        st = self.state
-        st.write_lanes(lane_fields(p.rows, (), st.n_lanes))
-        src = np.full(st.n_lanes, -1, I32)
-        src[: len(p.src)] = p.src
-        self.rt.h2d(self._bufs["src"], src)
+        self._write_rows(p.rows, p.src)
 
     def write_block(self, p: BlockPass) -> None:
         st = self.state
@@ -343,20 +336,3 @@ class DSparkDevice:
         V = self.stages.vocab_size
         out = self.rt.download(self._bufs["mlog"], (self.dcfg.block_size, self.R, V), np.float32)
         return np.ascontiguousarray(out[:, :n].transpose(1, 0, 2))
-
-    def free_state(self) -> None:
-        if self.state is not None:
-            self.state.free()
-            self.state = None
-        for buf in self._bufs.values():
-            if buf is not None:
-                buf.free()
-        self._bufs = {}
-        if self._q8 is not None:
-            self._q8.free()
-            self._q8 = None
-        self.feed_programs, self.draft_programs, self.graphs = {}, {}, {"feed": {}, "draft": {}}
-
-    def close(self) -> None:
-        self.free_state()
-        self.w.free()

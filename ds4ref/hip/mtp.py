@@ -28,8 +28,9 @@ import numpy as np
 from ..backend import DraftRequest, Row, check_draft_requests
 from ..gguf.mtp import PREFIX
 from . import launch as K
-from .device_state import DeviceState, lane_fields
+from .device_state import DeviceState
 from .device_weights import WTYPE_CODE, DeviceWeights
+from .draft import DraftDevice
 
 I32 = np.int32
 
@@ -101,7 +102,7 @@ def device_bytes(mcfg, n_slots: int, n_pages: int, page_tokens: int, max_pass_ro
             + 4 * n * (4 * mcfg.hc_mult * mcfg.n_embd + 3 * mcfg.n_embd + 1))
 
 
-class MTPDevice:
+class MTPDevice(DraftDevice):
     """The MTP block's weights, per-slot state (its raw window ring: a one-layer DeviceState),
     pass buffers and recorded programs, one per capacity bucket of the backend."""
 
@@ -109,11 +110,12 @@ class MTPDevice:
         self.rt, self.cfg = backend.rt, mtp.config
         self.w = device_weights if device_weights is not None else DeviceWeights.from_mtp(
             backend.rt, mtp, backend.w, backend.quantised_products)
-        self.state: DeviceState | None = None
+        self._init_buffers()
+        self._reset_programs()
+
+    def _reset_programs(self) -> None:
         self.programs: dict[int, object] = {}
         self.graphs: dict[int, object] = {}
-        self._bufs: dict[str, object] = {}
-        self._q8: K.Q8Rows | None = None
 
     def bytes_needed(self, n_slots: int, n_pages: int, page_tokens: int, max_pass_rows: int, compact: bool,
                      max_context: int | None = None) -> int:
@@ -137,13 +139,7 @@ class MTPDevice:
             self._q8 = K.Q8Rows.alloc(rt, n * hc * d)
         split = K.ksplit_floats(h_proj.rows, h_proj.cols, n * hc)
         self._bufs["part"] = self._zeros(split) if split else None
-        self.programs, self.graphs = {}, {}
         rt.synchronize()
-
-    def _zeros(self, n: int):
-        buf = self.rt.malloc(4 * max(n, 1))
-        self.rt.memset32(buf, 0, max(n, 1))
-        return buf
 
     def build(self, backend, buckets) -> None:
         """Record every bucket's MTP pass (after configure), in a view of the backend's builders."""
@@ -181,41 +177,7 @@ class MTPDevice:
             return
         K.launch_matvec(rec, w, x, y, rows, part=self._bufs["part"])
 
-    # ---- the slots' MTP state: its ring (DeviceState) ---------------------------------
-    def reset_slot(self, slot: int) -> None:
-        self.state.reset_slot(slot)
-
-    def save_state(self, slot: int) -> int:
-        return self.state.save_state(slot)
-
-    def restore_state(self, slot: int, snapshot: int) -> None:
-        self.state.restore_state(slot, snapshot)
-
-    def drop_state(self, snapshot: int) -> None:
-        self.state.drop_state(snapshot)
-
     # ---- running -------------------------------------------------------------------
     def write(self, p: MTPPass) -> None:
         """The pass's lane fields and source lanes, before its program runs."""
-        st = self.state
-        st.write_lanes(lane_fields(p.rows, (), st.n_lanes))
-        src = np.full(st.n_lanes, -1, I32)
-        src[: len(p.src)] = p.src
-        self.rt.h2d(self._bufs["src"], src)
-
-    def free_state(self) -> None:
-        if self.state is not None:
-            self.state.free()
-            self.state = None
-        for buf in self._bufs.values():
-            if buf is not None:
-                buf.free()
-        self._bufs = {}
-        if self._q8 is not None:
-            self._q8.free()
-            self._q8 = None
-        self.programs, self.graphs = {}, {}
-
-    def close(self) -> None:
-        self.free_state()
-        self.w.free()
+        self._write_rows(p.rows, p.src)
