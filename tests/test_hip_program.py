@@ -127,10 +127,29 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
         assert {"step_attention_split", "step_comp_store", "step_ring_commit", "step_expert_list",
                 "step_gather_rows", "ds4_rmsnorm"} <= names and len(names) >= 15
     # one pass, two capacities: the same kernels in the same order (rows per warp, and the tiled
-    # GEMM for the prompt pass's quantised products, aside), per-lane grids scaled
+    # GEMMs for the prompt pass's quantised products with the routed experts' row tiles, aside),
+    # per-lane grids scaled
     small, big = backend.programs[16].ops, backend.programs[256].ops
-    family = lambda ops: [re.sub(r"_r\d", "", k.name.replace("ds4_qgemm_", "ds4_qmatvec_")) for k, *_ in ops]  # noqa: E731
+    family = lambda ops: [re.sub(r"_r\d", "", k.name.replace("ds4_qexperts_gemm_", "ds4_qexperts_")  # noqa: E731
+                                 .replace("ds4_qgemm_", "ds4_qmatvec_"))
+                          for k, *_ in ops if k.name != "step_expert_tiles"]
     assert family(small) == family(big)
+    grouped = [i for i, op in enumerate(big) if op[0].name.startswith("ds4_qexperts_gemm_")]
+    if weights == "q2" and numerics == "official":
+        # the tiny model's 8 experts, top 2: past 32 rows an expert averages more than
+        # launch.EXPERT_GEMM_PAIRS pairs, so the 256-row pass runs its routed experts as the grouped
+        # GEMM, each over the row tiles step_expert_tiles made of that layer's expert list
+        E, kk = cfg.n_expert, cfg.n_expert_used
+        assert K.EXPERT_GEMM_PAIRS * E // kk == 32
+        assert not K.qexperts_gemm(16, kk, E) and not K.qexperts_gemm(32, kk, E) and K.qexperts_gemm(64, kk, E)
+        assert len(grouped) == 3 * cfg.n_layer
+        for i in grouped:
+            _k, grid, _block, args, _shared = big[i]
+            tiles = [op for op in big[:i] if op[0].name == "step_expert_tiles"][-1][3]
+            assert args[6] is tiles[0] is backend._ws["elist"] and args[7] is tiles[1] is backend._ws["etiles"]
+            assert grid[1] == K.expert_tiles(E, kk, 256) and 4 * K.expert_tiles_ints(E, kk, 256) <= args[7].nbytes
+    else:
+        assert not grouped
     embed = [i for i, op in enumerate(small) if op[0].name == "step_embed"][0]
     assert small[embed][1] == (16,) and big[embed][1] == (256,)
     assert backend.compact == (numerics == "official")
@@ -141,13 +160,14 @@ def test_pass_records_with_matching_argument_lists(rt, numerics, weights):
     quantise = [op for op in small if op[0].name in producers and op[3][producers[op[0].name]] is not None]
     if weights == "q2" and numerics == "official":
         # every quantised product reads int8 rows some earlier launch of the pass wrote
-        written: set[int] = set()
-        for k, _grid, _block, args, _shared in small:
-            name = k.name
-            if name in producers and args[producers[name]] is not None:
-                written.add(id(args[producers[name]]))
-            elif name.startswith(("ds4_qmatvec", "ds4_qexperts")):
-                assert id(args[2]) in written, f"{name} reads int8 rows nothing wrote before it"
+        for ops in (small, big):
+            written: set[int] = set()
+            for k, _grid, _block, args, _shared in ops:
+                name = k.name
+                if name in producers and args[producers[name]] is not None:
+                    written.add(id(args[producers[name]]))
+                elif name.startswith(("ds4_qmatvec", "ds4_qexperts", "ds4_qgemm")):
+                    assert id(args[2]) in written, f"{name} reads int8 rows nothing wrote before it"
         # activations that several products read are quantised once, by their producer
         assert quantised and len(quantise) < len(quantised)
         assert sum(op[0].name == "ds4_quantize_q8" for op in quantise) < len(quantise)

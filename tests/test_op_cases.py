@@ -9,10 +9,14 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4ref.hip import buffers
+from ds4ref.hip import launch as K
 from ds4ref.hip.launch import EL_PAIRS
-from ds4ref.harness.op_cases import BY_NAME, CASES, PASS_ROWS, run_case
+from ds4ref.harness.op_cases import (BY_NAME, CASES, PASS_ROWS, make_expert_list, ref_expert_list, ref_expert_tiles,
+                                     run_case)
 from test_hip_program import RecordingRuntime
 
 # kernels of the pass whose twin would be the whole reference layer: checked end to end
@@ -82,3 +86,44 @@ def test_the_expert_list_case_takes_whole_passes(rows):
     pairs = [(e, lt) for e, n, *lts in entries.tolist() for lt in lts[:n]]
     assert sorted(pairs) == sorted((int(ids[lt // 6, lt % 6]), lt) for lt in range(rows * 6) if slots[lt // 6] >= 0)
     assert all(a < b for (e, a), (f, b) in zip(pairs, pairs[1:]) if e == f)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 16, 17, 300, *PASS_ROWS]),
+       E=st.sampled_from([4, 16, 256]), kk=st.sampled_from([1, 2, 6]), padding=st.sampled_from([0.0, 0.3]),
+       repeats=st.booleans())
+def test_the_expert_tiles_reference_cuts_each_experts_entries(seed, rows, E, kk, padding, repeats):
+    """op_cases.ref_expert_tiles, the layout the GPU twins hold step_expert_tiles to: the tiles take
+    the list's entries once each, in order, a tile up to EL_TILE_ENTRIES entries of one expert from
+    its first (so up to 64 pairs, all entries full but the expert's last) with its pairs counted,
+    and there are no more than launch.expert_tiles, the grouped GEMM's grid."""
+    (ids, slots, _), _ = make_expert_list(seed, rows, E, kk, padding, repeats)
+    entries = ref_expert_list(ids, slots, E)
+    entries = entries[entries[:, 0] >= 0]
+    tiles = ref_expert_tiles(ids, slots, E)
+    assert len(tiles) == K.expert_tiles(E, kk, rows)
+    used = tiles[tiles[:, 0] >= 0]
+    assert np.all(tiles[len(used):] == -1)
+    ends = np.append(used[1:, 0], len(entries))
+    assert used[0, 0] == 0 if len(entries) else len(used) == 0
+    for (u0, n), u1 in zip(used.tolist(), ends.tolist()):
+        run = entries[u0:u1]
+        assert 1 <= len(run) <= K.EL_TILE_ENTRIES and np.all(run[:, 0] == run[0, 0])
+        assert n == run[:, 1].sum() <= K.TILE_ROWS and np.all(run[:-1, 1] == EL_PAIRS)
+        first = np.flatnonzero(entries[:, 0] == run[0, 0])[0]
+        assert (u0 - first) % K.EL_TILE_ENTRIES == 0
+
+
+def test_the_grouped_experts_case_takes_whole_passes():
+    """The grouped expert GEMM's case at launch.LARGEST_PASS rows: the list, the int8 rows, the row
+    tiles of the list and one GEMM launch (checked against its signature), and a reference for
+    every pair."""
+    rt = RecordingRuntime()
+    rows, E, kk, N = K.LARGEST_PASS, 16, 6, 70
+    got, want = run_case(BY_NAME["qrouted_experts_gemm"], 5, rows, rt, E=E, kk=kk, shape=(N, 1280), down=True,
+                         wtype="q2_k")
+    assert [k[1] for k, _ in rt.launches] == ["step_expert_list", "ds4_quantize_q8", "step_expert_tiles",
+                                              "ds4_qexperts_gemm_q2_k"]
+    (_, gemm_args), = [(k, a) for k, a in rt.launches if k[1] == "ds4_qexperts_gemm_q2_k"]
+    assert got[0].shape == want[0].shape == (rows, kk, N) and not np.isnan(want[0]).any()
+    assert int(gemm_args[5]) == 1 and int(gemm_args[9]) == N and int(gemm_args[11]) == kk

@@ -15,7 +15,7 @@ from ds4ref.backend import Row, StepPlan
 from ds4ref.hip.backend import HipBackend
 from ds4ref.hip.device_state import lane_context, max_pages_per_slot
 from ds4ref.hip.device_weights import DeviceWeights
-from ds4ref.hip.launch import LARGEST_PASS, expert_list_ints
+from ds4ref.hip.launch import LARGEST_PASS, expert_list_ints, expert_tiles_ints
 from ds4ref.hip.synthetic import flash_config as flash_shaped
 from ds4ref.hip.workspace import (JOINT_OUTPUTS, WorkspaceError, check_pass_fits, flash_table, pass_workspace,
                                   rope_positions, workspace_sizes)
@@ -93,6 +93,8 @@ def test_the_largest_flash_shaped_backend_allocates_its_plan(rt, max_context, n_
                     + sum(b.nbytes for name, b in backend._ws.items() if name not in VIEWS))
     assert beside_state == pass_workspace(cfg, 16, n_pages, T, LARGEST_PASS, "compact", "official", max_context)
     ws = backend._ws
+    # the grouped expert GEMM's row tiles of the largest pass (HipBackend._experts)
+    assert 4 * expert_tiles_ints(cfg.n_expert, cfg.n_expert_used, LARGEST_PASS) <= ws["etiles"].nbytes
     for L, program in backend.programs.items():
         for kernel, grid, _block, args, _shared in program.ops:
             if kernel.name == "step_attention_split":

@@ -266,6 +266,17 @@ def ref_experts(mats, wtype, x, ids, product=lambda xi, m, wtype: ref.linear(xi,
                                for t in range(kk)]) for l in range(L)])
 
 
+def ref_qexperts(mats, wtype, x, ids):
+    """ref_experts with canon.qlinear's product, each expert's pairs in one call: an output depends
+    on its own input row only (docs/exactness.md §2a), and a whole pass's pairs stay quick."""
+    L, kk = ids.shape
+    y = np.full((L, kk, mats[0][0].shape[0]), np.nan, F32)
+    for e in np.unique(ids):
+        ls, ts = np.nonzero(ids == e)
+        y[ls, ts] = canon_qlinear(x[ls, ts] if x.ndim == 3 else x[ls], mats[e][0], wtype)
+    return y
+
+
 def _quant_weight(seed, n, k, wtype):
     raw = make_weight(seed, n, k, wtype)[0]
     return raw, raw
@@ -555,7 +566,8 @@ def perf_experts(b, L):
 def perf_qexperts(b, L):
     """step_expert_list + ds4_qexperts in the q2 policy at Flash dims: 256 experts of IQ2_XXS
     2048 x 4096 (gate) and Q2_K 4096 x 2048 (down), top-6 distinct random ids per lane; only the
-    chosen experts' bytes are counted."""
+    chosen experts' bytes are counted. Beside it the grouped GEMM of prompt passes
+    (step_expert_tiles + ds4_qexperts_gemm; `--lanes 1024,2048,4096` for its sizes)."""
     rt = b.rt
     E, kk, ff, d, P, make_list, touched = _flash_routing(b, L)
     for name, wtype, N, cols, per_choice in (("experts gate iq2_xxs 256x2048x4096", "iq2_xxs", ff, d, 0),
@@ -567,11 +579,19 @@ def perf_qexperts(b, L):
         b.keep += [q.xq, q.dx, q.xs]
         x, y = b.up(b.rnd(rows, cols)), b.out((P * kk, N))
 
-        def run(N=N, cols=cols, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows):
+        tiles = b.out((K.expert_tiles_ints(E, kk, P),), I32)
+
+        def run(N=N, cols=cols, pc=per_choice, x=x, y=y, wb=wb, q=q, wtype=wtype, rows=rows, gemm=False):
             elist = make_list()
             K.launch_quantize_q8(rt, x, q, rows, cols)
-            K.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, cols, kk)
-        b.add(name, L, touched * one.nbytes + 4 * L * kk * (cols + N), [run], f"{touched} experts touched")
+            if gemm:
+                K.launch_expert_tiles(rt, elist, tiles)
+                K.launch_qexperts_gemm(rt, wb, wtype, q, pc, elist, tiles, y, N, cols, kk, P, E)
+            else:
+                K.launch_qexperts(rt, wb, wtype, q, pc, elist, y, N, cols, kk)
+        for gemm in (False, True):
+            b.add(name + (" [grouped gemm]" if gemm else ""), L, touched * one.nbytes + 4 * L * kk * (cols + N),
+                  [lambda run=run, gemm=gemm: run(gemm=gemm)], f"{touched} experts touched")
 
 
 def perf_rmsnorm(b, L):
@@ -767,6 +787,14 @@ def _make_qrouted(seed, L, E, kk, shape, down, wtype):
     return make_experts(seed, L, E, kk, shape, down, wtype, weight=_quant_weight)
 
 
+def _make_qrouted_gemm(seed, L, E, kk, shape, down, wtype):
+    """The grouped GEMM at any L: few experts fill tiles and cross them (4 experts, 2 choices at 4,096
+    rows: ~2,000 pairs an expert), many leave single pairs (256); N past a column tile or at one, K
+    past 32 blocks (chains of 2 and 1) and below (empty chains)."""
+    made = make_experts(seed, L, E, kk, shape, down, wtype, weight=_quant_weight)
+    return None if made is None else (*made, {"gemm": True})
+
+
 def make_expert_list(seed, L, E, kk, padding, repeats):
     """Routing ids of L lanes (repeats: a lane may choose an expert twice), some lanes padding."""
     rng = np.random.default_rng(seed)
@@ -790,6 +818,24 @@ def ref_expert_list(ids, slots, E):
             rows.append([e, len(chunk), *chunk, *[-1] * (K.EL_PAIRS - len(chunk))])
     out = np.full(((K.expert_list_ints(E, kk, L) - 1) // K.EL_STRIDE, K.EL_STRIDE), -1, I32)
     out[:len(rows)] = np.array(rows, I32).reshape(-1, K.EL_STRIDE)
+    return out
+
+
+def ref_expert_tiles(ids, slots, E):
+    """The documented row tiles of the grouped expert GEMM: each expert's entries in runs of
+    EL_TILE_ENTRIES from its first, as rows (first entry, pairs); rows of -1 up to the most tiles."""
+    L, kk = ids.shape
+    rows, expert, place = [], -1, 0
+    for u, (e, n) in enumerate(ref_expert_list(ids, slots, E)[:, :2].tolist()):
+        if e < 0:
+            break
+        place = place + 1 if e == expert else 0
+        expert = e
+        if place % K.EL_TILE_ENTRIES == 0:
+            rows.append([u, 0])
+        rows[-1][1] += n
+    out = np.full((K.expert_tiles(E, kk, L), 2), -1, I32)
+    out[:len(rows)] = np.array(rows, I32).reshape(-1, 2)
     return out
 
 
@@ -865,6 +911,9 @@ CASES: tuple[OpCase, ...] = (
     OpCase("expert_list", ("step_expert_list",), g.expert_list, ref_expert_list, make_expert_list,
            dict(E=[4, 16, 256, 1024], kk=[1, 2, 6, 8], padding=[0.0, 0.3], repeats=[False, True]), "pass",
            compare="equal"),
+    OpCase("expert_tiles", ("step_expert_list", "step_expert_tiles"), g.expert_tiles, ref_expert_tiles,
+           make_expert_list, dict(E=[4, 16, 256, 1024], kk=[1, 2, 6, 8], padding=[0.0, 0.3], repeats=[False, True]),
+           "pass", compare="equal"),
     OpCase("routed_experts", ("step_expert_list", "step_experts3_*"), g.routed_experts, ref_experts,
            _make_routed, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
                       wtype=["f32", "bf16", "q8_0", *QUANTS], rpw=[1, 2, 4]), "prompt", perf=perf_experts),
@@ -880,10 +929,15 @@ CASES: tuple[OpCase, ...] = (
            dict(n=range(1, 301), kb=range(1, 201), wtype=list(layouts.QUANT_WTYPES), max_blocks=[0, 2]), "prompt",
            perf=perf_qmatvec),
     OpCase("qrouted_experts", ("step_expert_list", "ds4_quantize_q8", "ds4_qexperts_*"), g.qrouted_experts,
-           lambda mats, wtype, x, ids: ref_experts(
-               mats, wtype, x, ids, lambda xi, m, wt: canon_qlinear(xi[None], m[0], wt)[0]),
-           _make_qrouted, dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
-                      wtype=list(layouts.QUANT_WTYPES)), "prompt", perf=perf_qexperts),
+           ref_qexperts, _make_qrouted,
+           dict(E=[4, 16], kk=[1, 2, 6], shape=[(256, 512), (64, 256), (512, 2048)], down=[False, True],
+                wtype=list(layouts.QUANT_WTYPES)), "prompt", perf=perf_qexperts),
+    # prompt passes' routed experts (launch.qexperts_gemm), drawn up to whole passes of LARGEST_PASS rows
+    OpCase("qrouted_experts_gemm",
+           ("step_expert_list", "step_expert_tiles", "ds4_quantize_q8", "ds4_qexperts_gemm_*"),
+           g.qrouted_experts, ref_qexperts, _make_qrouted_gemm,
+           dict(E=[4, 16, 256], kk=[1, 2, 6], shape=[(70, 1280), (130, 256), (64, 2048)], down=[False, True],
+                wtype=list(layouts.QUANT_WTYPES)), "pass"),
 )
 
 

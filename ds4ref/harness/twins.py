@@ -15,10 +15,10 @@ from ..backend import DECODE_LANES
 from ..paging.compact import encode_index_rows, encode_kv_rows
 from ..hip.buffers import DeviceBuffer
 from ..hip.launch import (
-    _blocks, AT_SPLIT, EL_STRIDE, expert_list_ints, HC_MAX, kernel, ksplit_scratch, launch_add_rows,
-    launch_argmax, launch_attention_combine, launch_attention_split, launch_expert_list,
-    launch_hc_pre_finish, launch_matvec, launch_matvec_slices, launch_norm_rope, launch_qat,
-    launch_qexperts, launch_qmatvec, launch_quantize_q8, launch_rmsnorm, launch_rmsnorm_q8,
+    _blocks, AT_SPLIT, EL_STRIDE, expert_list_ints, expert_tiles_ints, HC_MAX, kernel, ksplit_scratch,
+    launch_add_rows, launch_argmax, launch_attention_combine, launch_attention_split, launch_expert_list,
+    launch_expert_tiles, launch_hc_pre_finish, launch_matvec, launch_matvec_slices, launch_norm_rope, launch_qat,
+    launch_qexperts, launch_qexperts_gemm, launch_qmatvec, launch_quantize_q8, launch_rmsnorm, launch_rmsnorm_q8,
     launch_routed_experts, launch_swiglu_act, matvec_ksplit, PagedLanes, Q8Rows)
 from ..hip.device_state import ROW_F32, ROW_KV
 from ..hip.layouts import _need, DeviceWeight, pack_qrows, QUANT_WTYPES, weight_cols
@@ -487,6 +487,24 @@ def expert_list(ids, slots, n_expert: int, rt=None) -> np.ndarray:
     return rows
 
 
+def expert_tiles(ids, slots, n_expert: int, rt=None) -> np.ndarray:
+    """step_expert_tiles' row tiles of step_expert_list's entries for routing ids (L, kk) and lane
+    slots (L,): rows (first entry, pair count), then rows of -1 up to the most tiles a pass can have."""
+    rt = _rt(rt)
+    ids, slots = np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(slots, np.int32)
+    L, kk = ids.shape
+    n_ints = expert_tiles_ints(n_expert, kk, L)
+    with _Scope(rt) as s:
+        elist, tiles = s.out((expert_list_ints(n_expert, kk, L),), I32), s.out((n_ints,), I32)
+        launch_expert_list(rt, s.up(ids), s.up(slots), L, kk, n_expert, elist)
+        launch_expert_tiles(rt, elist, tiles)
+        out = s.get(tiles, (n_ints,), I32)
+    rows = np.full(((n_ints - 1) // 2, 2), -1, np.int32)
+    n = int(out[0])
+    rows[:n] = out[1:1 + 2 * n].reshape(-1, 2)
+    return rows
+
+
 def _padded_expert_inputs(x: np.ndarray, ids: np.ndarray, K: int):
     """(P, inputs, slots, ids) of L lanes padded like a decode pass to P = max(L, 16) lanes:
     padding lanes carry slot -1, zero inputs and expert 0."""
@@ -613,9 +631,11 @@ def _with_q8_rows(rt, rows: int, W: int, produce) -> tuple:
         q.free()
 
 
-def qrouted_experts(raw, wtype: str, x, ids, rt=None):
+def qrouted_experts(raw, wtype: str, x, ids, rt=None, gemm: bool = False):
     """The backend's quantised routed experts: raw (E, N, row bytes) GGUF blocks, x (L, K) or
-    (L, kk, K) (one input per choice), ids (L, kk) -> (L, kk, N), each expert product canon.qlinear's."""
+    (L, kk, K) (one input per choice), ids (L, kk) -> (L, kk, N), each expert product canon.qlinear's.
+    gemm: the grouped GEMM of prompt passes (step_expert_tiles, ds4_qexperts_gemm_*) at any L, in
+    place of the dp4a walk (ds4_qexperts_*)."""
     rt = _rt(rt)
     x, ids = _f32(x), np.ascontiguousarray(ids, np.int32)
     L, kk = ids.shape
@@ -632,7 +652,13 @@ def qrouted_experts(raw, wtype: str, x, ids, rt=None):
             elist = s.out((expert_list_ints(E, kk, P),), I32)
             launch_expert_list(rt, s.up(idp), s.up(slots), P, kk, E, elist)
             launch_quantize_q8(rt, s.up(xs), q, rows, K)
-            launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
+            if gemm:
+                tiles = s.out((expert_tiles_ints(E, kk, P),), I32)
+                launch_expert_tiles(rt, elist, tiles)
+                launch_qexperts_gemm(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, tiles, y, N, K, kk,
+                                     P, E)
+            else:
+                launch_qexperts(rt, s.up(packed), wtype, q, 1 if per_choice else 0, elist, y, N, K, kk)
             return s.get(y, (P, kk, N))[:L]
     finally:
         q.free()

@@ -798,6 +798,8 @@ class HipBackend:
                    (ws["rlog"], bias, hid, I32(c.n_expert), I32(kk), F32(c.expert_weights_scale),
                     I32(1 if c.expert_weights_norm else 0), ws["ids"], ws["rw"]))
         K.launch_expert_list(rec, ws["ids"], st.lane("slot"), L, kk, c.n_expert, ws["elist"])
+        if self._grouped_experts(rec, il):
+            K.launch_expert_tiles(rec, ws["elist"], ws["etiles"])
         ff = c.expert_ff
         self._experts(rec, p + "ffn_gate_exps.weight", ws["xn"], 0, ws["eg"], q8=q8xn)
         self._experts(rec, p + "ffn_up_exps.weight", ws["xn"], 0, ws["eu"], q8=q8xn)
@@ -818,6 +820,13 @@ class HipBackend:
                    (ws["ed"], ws["rw"], shared, ws["ym"], I32(L), I32(kk), I32(c.n_embd)))
         self._hc_post(rec, ws["s1"], ws["ym"], ws["s0"])
 
+    def _grouped_experts(self, rec, il: int) -> bool:
+        """Whether layer il's quantised routed experts run as the grouped GEMM in this program
+        (launch.qexperts_gemm), over step_expert_tiles' row tiles."""
+        c = self.cfg
+        return K.qexperts_gemm(rec.L, c.n_expert_used, c.n_expert) and any(
+            self.w.tensor(f"blk.{il}.ffn_{m}_exps.weight").packed for m in ("gate", "up", "down"))
+
     def _experts(self, rec, name, x, per_choice, y, q8=None) -> None:
         """The routed experts' product for the pass's (lane, choice) pairs; q8 as in _mv."""
         t = self.w.tensor(name)
@@ -827,7 +836,11 @@ class HipBackend:
             if q8 is None:
                 q8 = self._q8
                 K.launch_quantize_q8(rec, x, q8, rec.L * (kk if per_choice else 1), Kc)
-            K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk)
+            if K.qexperts_gemm(rec.L, kk, self.cfg.n_expert):  # step_expert_tiles ran (_ffn_layer)
+                K.launch_qexperts_gemm(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], self._ws["etiles"],
+                                       y, N, Kc, kk, rec.L, self.cfg.n_expert)
+            else:
+                K.launch_qexperts(rec, t.buf, t.wtype, q8, per_choice, self._ws["elist"], y, N, Kc, kk)
             return
         r = K.expert_rows_per_warp(t.wtype, PREFILL_EXPERT_RPW if rec.L > DECODE_LANES else EXPERT_RPW)
         K.launch_routed_experts(rec, t.buf, t.wtype, r, x, per_choice, self._ws["elist"], y, N, Kc,

@@ -404,6 +404,53 @@ def launch_qmatvec(rt, w: DeviceWeight, q: Q8Rows, y: DeviceBuffer, L: int, *, g
                                  np.int64(n if gs is None else gs), lane_slot))
 
 
+# The routed experts of a pass run as the grouped tiled GEMM (qgemm.hip's ds4_qexperts_gemm_*) when
+# the chosen experts hold more than EXPERT_GEMM_PAIRS pairs each on average (L * kk > 8 E: Flash's
+# 256 experts, top 6, from 342 rows, so the 512-row bucket on). A tile costs about the same for 6
+# pairs as for 64 (it decodes its 64 weight rows once either way), the dp4a walk about in
+# proportion to its pairs: at 256 rows (~6 pairs an expert) GEMM forms of 64 weight rows measured
+# 1.25x the dp4a walk's 1.2-1.7 ms (docs/results/prompt_gemm.md, "The routed experts stay on dp4a"),
+# at 1,024 rows (~24 pairs) the walk took 3.5 ms a launch (IQ2_XXS gate/up, 301 ms over 86 launches:
+# docs/results/prefill_gpu.md). The same bits either way; benchmarks/ops_gpu.py times both.
+EXPERT_GEMM_PAIRS = 8
+
+
+def qexperts_gemm(L: int, kk: int, n_expert: int) -> bool:
+    """Whether a pass of L rows runs its quantised routed experts as the grouped GEMM."""
+    return L * kk > EXPERT_GEMM_PAIRS * n_expert
+
+
+TILE_ROWS = 64  # qgemm.hip's QG_TILE: pairs of one expert a grouped tile holds
+EL_TILE_ENTRIES = TILE_ROWS // EL_PAIRS  # list entries a tile (ds4_hip.h)
+
+
+def expert_tiles(n_expert: int, kk: int, L: int) -> int:
+    """The most grouped tiles of a pass of L rows: an expert of c pairs takes ceil(c / 64), so the
+    chosen experts (at most min(E, L*kk)) take at most that many plus L*kk / 64."""
+    return min(n_expert, L * kk) + -(-L * kk // TILE_ROWS)
+
+
+def expert_tiles_ints(n_expert: int, kk: int, L: int) -> int:
+    """int32s of step_expert_tiles' output: the count, then (first entry, pairs) a tile."""
+    return 1 + 2 * expert_tiles(n_expert, kk, L)
+
+
+def launch_expert_tiles(rt, elist, tiles) -> None:
+    """tiles <- step_expert_tiles' row tiles of step_expert_list's entries (elist)."""
+    rt.launch(kernel(rt, "step_ops", "step_expert_tiles"), (1,), (256,), (elist, tiles))
+
+
+def launch_qexperts_gemm(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, tiles, y, N: int, K: int,
+                         kk: int, L: int, n_expert: int) -> None:
+    """The routed experts of step_expert_list's entries (elist) as the grouped GEMM over the row
+    tiles step_expert_tiles wrote to tiles (for a pass of L rows): the grid holds the most tiles a
+    pass can have, and blocks past the count leave."""
+    module = rt.compile_file(_SOURCES["qgemm"], qgemm_options(wtype))
+    rt.launch(module.kernel(f"ds4_qexperts_gemm_{wtype}"), (_blocks(N, TILE_ROWS), expert_tiles(n_expert, kk, L)),
+              (256,), (wbuf, np.int64(packed_row_bytes(wtype, K)), q.xq, q.dx, q.xs, I32(per_choice), elist, tiles,
+                       y, I32(N), I32(K), I32(kk)))
+
+
 def launch_qexperts(rt, wbuf, wtype: str, q: Q8Rows, per_choice: int, elist, y, N: int, K: int, kk: int) -> None:
     """The routed experts of step_expert_list's entries, inputs quantised in q (rows K wide)."""
     rt.launch(kernel(rt, "qdot", f"ds4_qexperts_{wtype}_r{qmatvec_rows_per_warp(N)}"), (expert_blocks(rt),), (256,),

@@ -150,7 +150,8 @@ def workspace_sizes(cfg, max_pass_rows: int, maxp: int, page_tokens: int,
     }
     f32["hs"] = hc * d  # the emitting rows' streams, gathered for the head
     i32 = {"emit_pos": 1, "sel": c.indexer_top_k, "hid": kk, "ids": kk, "amax": 1,
-           "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L)}
+           "elist": -(-K.expert_list_ints(c.n_expert, kk, L) // L),
+           "etiles": -(-K.expert_tiles_ints(c.n_expert, kk, L) // L)}
     # v3: K-split scratch for few-row matrices, attention slice partials (m, den, acc)
     ksf = max([K.ksplit_floats(rows, cols, L) for rows, cols in matrix_shapes(c)] + [1])
     f32["ksplit"] = -(-ksf // L)

@@ -22,8 +22,8 @@ from ds4ref.hip import launch as K
 from ds4ref.hip import layouts
 from ds4ref.hip.device_state import ROW_F32, ROW_KV
 from ds4ref.harness import twins as g
-from ds4ref.harness.op_cases import (BY_NAME, CASES, LANE_ROWS, PASS_ROWS, QUANTS, canon_qlinear, make_weight, rnd,
-                                     run_case)
+from ds4ref.harness.op_cases import (BY_NAME, CASES, LANE_ROWS, PASS_ROWS, QUANTS, canon_qlinear, make_weight,
+                                     ref_qexperts, rnd, run_case)
 from ds4ref.reference import ops as ref
 
 pytestmark = pytest.mark.gpu
@@ -274,6 +274,24 @@ def test_qgemm_tuning_changes_no_bit(rt, monkeypatch, defines, wtype):
         raw = make_weight(21, 70, k, wtype)[0]
         x = rnd(22, 77, k)
         assert same_bits(g.qmatvec(raw, wtype, x, rt=rt, gemm=True), canon_qlinear(x, raw, wtype))
+
+
+@pytest.mark.parametrize("defines", ["", "QG_DOT4=1"])
+@pytest.mark.parametrize("wtype", ["q8_0", "q2_k", "iq2_xxs"])
+@pytest.mark.parametrize("E,rows", [(16, 1025), (256, 2048)])
+def test_qexperts_gemm_gives_the_dp4a_walks_bits(rt, monkeypatch, defines, wtype, E, rows):
+    """The routed experts of prompt passes as the grouped GEMM (step_expert_tiles, ds4_qexperts_gemm_*),
+    with NVIDIA's MMA and with AMD's dot4 tiles (QG_DOT4=1): every pair has the reference's bits and
+    the dp4a walk's (ds4_qexperts_*), gate and down inputs, in whole passes whose experts fill
+    several tiles each (16 experts, ~380 pairs) or part of one (Flash's 256 experts, top 6)."""
+    if defines:
+        monkeypatch.setenv("DS4REF_KERNEL_DEFINES", defines)
+    for down in (False, True):
+        gpu_args, ref_args, kw = BY_NAME["qrouted_experts_gemm"].make(7 + rows, rows, E=E, kk=6, shape=(70, 1280),
+                                                                      down=down, wtype=wtype)
+        grouped = g.qrouted_experts(*gpu_args, rt=rt, **kw)
+        assert same_bits(grouped, ref_qexperts(*ref_args))
+        assert np.array_equal(g.qrouted_experts(*gpu_args, rt=rt), grouped)
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])

@@ -95,6 +95,9 @@ __device__ __forceinline__ void ds4_prefetch_rows(const void*, int, int, long lo
 // choice) pairs (the layout: step_ops.hip, step_expert_list; read by every expert kernel).
 #define EL_PAIRS 16
 #define EL_STRIDE (2 + EL_PAIRS)
+// Entries of one expert a tile of the grouped expert GEMM holds (step_expert_tiles; qgemm.hip's
+// 64-row tiles): 64 pairs.
+#define EL_TILE_ENTRIES 4
 
 // ---- 16-bit floats as raw bits, converted explicitly ----------------------
 

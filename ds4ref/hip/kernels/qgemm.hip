@@ -1,5 +1,6 @@
 // qgemm.hip - prompt passes' quantised products as a tiled int8 GEMM, in docs/exactness.md §2a's
-// order (its own file, compiled a type at a time: the unrolled chains take NVRTC seconds per type).
+// order, the dense ones and the routed experts' (tiles of one expert's pairs); its own file,
+// compiled a type at a time: the unrolled chains take NVRTC seconds per type.
 #include "ds4_mv3.h"
 #include "ds4_q8.h"
 #include "ds4_qblock.h"
@@ -306,16 +307,44 @@ __device__ __forceinline__ void qg_leaves_loop(const QgCtx& c, QgStage& st, cons
 
 #endif  // QG_DOT4
 
-template <int WT>
+// The routed experts of a prompt pass as a grouped GEMM (launch.launch_qexperts_gemm): row tile
+// blockIdx.y is tile blockIdx.y of step_expert_tiles (step_ops.hip), up to 64 (lane, choice) pairs
+// of one expert; row r is pair lt = l * kk + t, which reads int8 row lt (per_choice: the down
+// product's inputs) or l and writes y[lt * N + o], and the weight is the expert's N rows. A row's
+// arithmetic is the dense GEMM's, so each pair's output is canon.qlinear of its own input row.
+struct QgPairs {
+    const int* list;   // step_expert_list's entries
+    const int* tiles;  // step_expert_tiles' row tiles
+    int per_choice, kk;
+};
+
+// The pair of row r of a grouped tile whose first entry is ent (the layout: step_expert_tiles).
+__device__ __forceinline__ int qg_pair(const int* ent, int r) {
+    return ent[(r / EL_PAIRS) * EL_STRIDE + 2 + r % EL_PAIRS];
+}
+static_assert(EL_TILE_ENTRIES * EL_PAIRS == QG_TILE, "a grouped tile is one row tile of the GEMM");
+
+// GROUPED false: the dense products, row tile blockIdx.y the pass's rows l0 .. l0 + 63, pp unused.
+template <int WT, bool GROUPED>
 DS4_BODY void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,
-                        float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {
+                        float* y, int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot,
+                        QgPairs pp) {
     __shared__ __align__(16) QgStage st;
     __shared__ Iq2Tables iq2[1];
+    if constexpr (GROUPED)
+        if ((int)blockIdx.y >= pp.tiles[0]) return;  // the grid holds the most tiles a pass can have
     if (WT == WT_IQ2_XXS) iq2_tables_fill(iq2);
     __syncthreads();  // the tables, before the first block's prefetch decodes with them
     int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
     int wr = warp % 4, wc = warp / 4;  // MMA warp tile: rows 16 wr .., weight rows 32 wc ..
-    int l0 = (int)blockIdx.y * QG_TILE, o0 = (int)blockIdx.x * QG_TILE, grp = blockIdx.z;
+    int l0 = (int)blockIdx.y * QG_TILE, o0 = (int)blockIdx.x * QG_TILE, grp = blockIdx.z, wgrp = grp;
+    const int* ent = nullptr;  // GROUPED: the tile's first list entry
+    if constexpr (GROUPED) {
+        ent = pp.list + 1 + (long long)pp.tiles[1 + 2 * blockIdx.y] * EL_STRIDE;
+        l0 = 0;
+        L = pp.tiles[2 + 2 * blockIdx.y];  // the tile's rows 0 .. L - 1 are its pairs
+        wgrp = ent[0];                     // the expert's matrix
+    }
     int na;  // rows of this thread's 16-lane group that are stored (as mq_body)
     {
         int lm = l0 + 16 * (QG_DOT4 ? tid / 64 : wr), n = L - lm < 16 ? L - lm : 16;
@@ -325,12 +354,18 @@ DS4_BODY void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const flo
     c.so = tid / 4;
     c.sp = tid % 4;
     c.a_ok = l0 + c.so < L;
-    long long abase = (long long)(c.a_ok ? l0 + c.so : 0) * Wx + (long long)grp * xg;
+    long long arow = c.a_ok ? l0 + c.so : 0;
+    if constexpr (GROUPED)
+        if (c.a_ok) {
+            int lt = qg_pair(ent, c.so);
+            arow = pp.per_choice ? lt : lt / pp.kk;
+        }
+    long long abase = arow * Wx + (long long)grp * xg;
     c.arow = xq + abase;
     c.drow = dx + abase / QB;
     c.srow = xs + abase / 16;
     int ob = o0 + c.so < N ? o0 + c.so : N - 1;
-    c.brow = W + ((long long)grp * N + ob) * rb;
+    c.brow = W + ((long long)wgrp * N + ob) * rb;
     c.K = K;
     c.nb = K / QB;
     c.g = lane / 4;
@@ -361,33 +396,45 @@ DS4_BODY void qg_body(const ds4_u8* W, long long rb, const ds4_i8* xq, const flo
         for (int e = 0; e < 4; ++e) {  // QG_DOT4: stack[0][row i][weight row j]; MMA: [fragment ni][element e]
             int r = QG_DOT4 ? c.r0 + u : 16 * wr + c.g + 8 * (e / 2);
             int o = o0 + (QG_DOT4 ? c.ob + 16 * e : 32 * wc + 8 * u + 2 * c.t + e % 2);
-            if (o < N && r % 16 < na)
-                y[(long long)(l0 + r) * ldy + grp * gs + o] = stack[0][u][e];
+            if (o < N && r % 16 < na) {
+                long long yrow = l0 + r;
+                if constexpr (GROUPED) yrow = qg_pair(ent, r);
+                y[yrow * ldy + grp * gs + o] = stack[0][u][e];
+            }
         }
 }
 
-#define DS4_QGEMM(NAME, WT)                                                                           \
-    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, QG_MIN_BLOCKS)                          \
-        NAME(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,  \
-             int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {          \
-        DS4_KERNEL_ENTRY;                                                                                 \
-        qg_body<WT>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot);                         \
+// ds4_qgemm_<type>: the dense products; ds4_qexperts_gemm_<type>: the routed experts' grouped tiles
+// (grid: column tiles of N, launch.expert_tiles row tiles; inputs K wide, outputs N wide a pair).
+#define DS4_QGEMM(DENSE, EXPERTS, WT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, QG_MIN_BLOCKS)                           \
+        DENSE(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs, float* y,     \
+              int N, int K, int L, int Wx, int xg, int ldy, long long gs, const int* lane_slot) {              \
+        DS4_KERNEL_ENTRY;                                                                                      \
+        qg_body<WT, false>(W, rb, xq, dx, xs, y, N, K, L, Wx, xg, ldy, gs, lane_slot, QgPairs{});              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MQ_WARPS * DS4_WARP, QG_MIN_BLOCKS)                           \
+        EXPERTS(const ds4_u8* W, long long rb, const ds4_i8* xq, const float* dx, const short* xs,             \
+                int per_choice, const int* list, const int* tiles, float* y, int N, int K, int kk) {           \
+        DS4_KERNEL_ENTRY;                                                                                      \
+        qg_body<WT, true>(W, rb, xq, dx, xs, y, N, K, 0, K, 0, N, 0, nullptr,                                  \
+                          QgPairs{list, tiles, per_choice, kk});                                               \
     }
 
 // Each start compiles only the types it launches (ops.launch_qmatvec passes -DQG_BUILD=<WT_*>): the
 // unrolled chains cost NVRTC seconds per type.
 #if !defined(QG_BUILD) || QG_BUILD == WT_Q8_0
-DS4_QGEMM(ds4_qgemm_q8_0, WT_Q8_0)
+DS4_QGEMM(ds4_qgemm_q8_0, ds4_qexperts_gemm_q8_0, WT_Q8_0)
 #endif
 #if !defined(QG_BUILD) || QG_BUILD == WT_Q2_K
-DS4_QGEMM(ds4_qgemm_q2_k, WT_Q2_K)
+DS4_QGEMM(ds4_qgemm_q2_k, ds4_qexperts_gemm_q2_k, WT_Q2_K)
 #endif
 #if !defined(QG_BUILD) || QG_BUILD == WT_Q4_K
-DS4_QGEMM(ds4_qgemm_q4_k, WT_Q4_K)
+DS4_QGEMM(ds4_qgemm_q4_k, ds4_qexperts_gemm_q4_k, WT_Q4_K)
 #endif
 #if !defined(QG_BUILD) || QG_BUILD == WT_IQ2_XXS
-DS4_QGEMM(ds4_qgemm_iq2_xxs, WT_IQ2_XXS)
+DS4_QGEMM(ds4_qgemm_iq2_xxs, ds4_qexperts_gemm_iq2_xxs, WT_IQ2_XXS)
 #endif
 #if !defined(QG_BUILD) || QG_BUILD == WT_MXFP4
-DS4_QGEMM(ds4_qgemm_mxfp4, WT_MXFP4)
+DS4_QGEMM(ds4_qgemm_mxfp4, ds4_qexperts_gemm_mxfp4, WT_MXFP4)
 #endif

@@ -182,6 +182,61 @@ extern "C" __global__ void step_expert_list(const int* __restrict__ ids, const i
     }
 }
 
+// ---- the routed experts of a prompt pass as a grouped GEMM (qgemm.hip) ------------------------
+// step_expert_tiles cuts step_expert_list's entries into the GEMM's row tiles: a tile is up to
+// EL_TILE_ENTRIES consecutive entries of one expert, counted from the expert's first entry, so up
+// to 64 pairs of one expert. An expert's entries are full but its last, so row r of a tile is pair
+// r % EL_PAIRS of entry u0 + r / EL_PAIRS. Layout (int32): [0] = number of tiles n; tile t at
+// 1 + 2t = {first entry u0, pair count}, tiles in list order. An expert of c pairs takes
+// ceil(c / 64) tiles: a pass has at most ceil(L*kk / 64) + min(E, L*kk) (launch.expert_tiles).
+// Which pairs share a tile changes no bit: each row of the GEMM sums its own input row alone.
+
+// The first entry of entry u's expert: the entries are in ascending expert id.
+__device__ __forceinline__ int et_first_entry(const int* __restrict__ list, int u) {
+    int e = list[1 + u * EL_STRIDE], lo = 0, hi = u;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (list[1 + mid * EL_STRIDE] < e)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+// One block of 256 threads over the entries in chunks of 256: an entry whose place among its
+// expert's entries is a multiple of EL_TILE_ENTRIES starts a tile, placed by a scan of the starts.
+extern "C" __global__ void step_expert_tiles(const int* __restrict__ list, int* __restrict__ tiles) {
+    DS4_KERNEL_ENTRY;
+    __shared__ int wsum[32];
+    int tid = threadIdx.x, lane = tid % DS4_WARP, warp = tid / DS4_WARP, nwarps = blockDim.x / DS4_WARP;
+    int n = list[0], before = 0;  // tiles of the chunks before
+    for (int c0 = 0; c0 < n; c0 += blockDim.x) {
+        int u = c0 + tid;
+        int start = u < n && (u - et_first_entry(list, u)) % EL_TILE_ENTRIES == 0;
+        int incl = start;
+        for (int o = 1; o < DS4_WARP; o <<= 1) {
+            int v = DS4_SHFL(incl, lane >= o ? lane - o : lane);
+            if (lane >= o) incl += v;
+        }
+        if (lane == DS4_WARP - 1) wsum[warp] = incl;
+        __syncthreads();
+        int t = before + incl - start;
+        for (int w = 0; w < warp; ++w) t += wsum[w];
+        if (start) {
+            const int* ent = list + 1 + u * EL_STRIDE;
+            int pairs = 0;
+            for (int k = 0; k < EL_TILE_ENTRIES && u + k < n && ent[k * EL_STRIDE] == ent[0]; ++k)
+                pairs += ent[k * EL_STRIDE + 1];
+            tiles[1 + 2 * t] = u;
+            tiles[2 + 2 * t] = pairs;
+        }
+        for (int w = 0; w < nwarps; ++w) before += wsum[w];
+        __syncthreads();  // every thread has read wsum before the next chunk writes it
+    }
+    if (tid == 0) tiles[0] = before;
+}
+
 // Grid (any number of blocks): block b takes work items b, b + gridDim.x, ... of
 // n_chosen * row_blocks, item w = (chosen expert w / row_blocks, row block w % row_blocks),
 // so consecutive blocks read consecutive rows of one expert. x_l = x[l] (gate/up) or
