@@ -3,6 +3,8 @@ their own per-slot state (a DeviceState of the module's config), pass buffers an
 and their recorded programs, released together."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from . import launch as K
@@ -11,7 +13,7 @@ from .device_state import DeviceState, lane_fields
 I32 = np.int32
 
 
-class DraftDevice:
+class DraftDevice(ABC):
     """Subclasses set `rt`, `w` (their DeviceWeights) and fill `state`, `_bufs` (named device
     buffers, None allowed) and `_q8` in configure; `_programs()` names their program dicts."""
 
@@ -35,8 +37,9 @@ class DraftDevice:
         lanes[: len(src)] = src
         self.rt.h2d(self._bufs["src"], lanes)
 
+    @abstractmethod
     def _reset_programs(self) -> None:
-        raise NotImplementedError
+        """Forget the recorded programs and their graphs (the state they ran on is gone)."""
 
     # ---- the slots' draft state ------------------------------------------------------
     def reset_slot(self, slot: int) -> None:
