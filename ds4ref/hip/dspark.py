@@ -125,15 +125,13 @@ def block_pass(requests: Sequence[DraftRequest], fed: np.ndarray, block_size: in
 def request_lanes(L: int, block_size: int, most: int) -> int:
     """The Markov chain's lanes in bucket L's draft program: its blocks (L // block_size, at
     least one) in whole lane groups of 16, at most `most` (request_capacity)."""
-    n = max(1, L // block_size)
-    return min(most, -(-n // K.DECODE_LANES) * K.DECODE_LANES)
+    return min(most, K.lane_groups(max(1, L // block_size)) * K.DECODE_LANES)
 
 
 def request_capacity(n_slots: int, max_pass_rows: int, block_size: int) -> int:
     """Request lanes the Markov buffers hold: one per slot, at most a block of each the largest
     pass holds, in whole lane groups."""
-    n = max(1, min(n_slots, max_pass_rows // block_size))
-    return -(-n // K.DECODE_LANES) * K.DECODE_LANES
+    return K.lane_groups(max(1, min(n_slots, max_pass_rows // block_size))) * K.DECODE_LANES
 
 
 # ---------------------------------------------------------------------------

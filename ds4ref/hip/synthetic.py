@@ -35,15 +35,14 @@ def make_dspark(rt, cfg, dw):
     gguf.tiny.random_dspark stores them (the stand-in takes the draft weights' place: `config` the
     stages, `dspark` its settings)."""
     from ..gguf.dspark import DSparkConfig, dspark_tensor_shapes, stage_config
+    from ..gguf.tiny import _DSPARK_DTYPES
     from .device_weights import DeviceWeights
     from .dspark import dspark_device_names
     dcfg = DSparkConfig(block_size=5, noise_token_id=cfg.vocab_size - 1, markov_rank=256,
                         target_layers=(cfg.n_layer - 3, cfg.n_layer - 2, cfg.n_layer - 1))
     stages = stage_config(cfg, dcfg)
-    own = {"main_proj.weight": "q8_0", "markov_head.markov_w2.weight": "q8_0", "markov_head.markov_w1.weight": "f16",
-           "hc_head_fn.weight": "f16"}
     ddw = DeviceWeights.random_policy_draft(rt, dw, stages, dspark_device_names(stages, dcfg),
-                                            dspark_tensor_shapes(cfg, dcfg), own, "q2", seed=2,
+                                            dspark_tensor_shapes(cfg, dcfg), _DSPARK_DTYPES, "q2", seed=2,
                                             quantised_products=True)
     return SimpleNamespace(config=stages, dspark=dcfg, weights=None), ddw
 
